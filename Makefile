@@ -1,0 +1,41 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.kvmesh-installed
+
+.PHONY: demo demo-quick test lint typecheck unit bench install system-deps clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/install.sh
+	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/install.sh
+	touch $(STAMP)
+
+system-deps:
+	bash scripts/system-deps.sh
+
+demo: install
+	HF_HUB_OFFLINE=1 $(VENV)/bin/kvmesh demo
+
+demo-quick: install
+	HF_HUB_OFFLINE=1 $(VENV)/bin/kvmesh demo --quick
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+unit: install
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+test: install lint typecheck unit
+
+bench: install
+	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

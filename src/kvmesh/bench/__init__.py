@@ -1,0 +1,1 @@
+"""Benchmark harness: workloads, open/closed-loop runner, vLLM-defined metrics, reports."""

@@ -1,0 +1,214 @@
+"""Block and chunk keys.
+
+Tokens are cut into blocks of ``block_size`` tokens (only full blocks are keyed). Keys are chained::
+
+    h_0 = H(namespace)                 namespace = model, revision, LoRA, tenant salt
+    h_i = H(h_{i-1} || tokens_i)       tokens_i as u32 little-endian
+
+    tokens   |  block 0  |  block 1  |  ...  |  block 15 |  block 16 | ...
+    keys        h_1         h_2                 h_16        h_17
+    chunks   |<------------- chunk 0 (256 tokens) ------->|<--- chunk 1 ...
+    chunk key                                   h_16
+
+A store chunk is ``chunk_size`` tokens and its key is the chain value at its last block, so router
+blocks and store chunks name the same prefix with the same bytes.
+
+``H`` defaults to sha256 truncated to 16 bytes: a tenant must not be able to forge a key that
+poisons another tenant's prefix. ``xxh3_128`` is there for speed when every tenant is trusted.
+
+vLLM's own recipe (``sha256`` over canonical CBOR) lives in :mod:`kvmesh.core.vllm_hashing`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+import xxhash
+
+from kvmesh.core.types import BlockKey
+
+KEY_BYTES = 16
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_CHUNK_SIZE = 256
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+class HashAlgo(StrEnum):
+    """The digest behind the key chain."""
+
+    SHA256 = "sha256"
+    XXH3 = "xxh3"
+
+
+def _digest(algo: HashAlgo, data: bytes) -> BlockKey:
+    if algo is HashAlgo.SHA256:
+        return BlockKey(hashlib.sha256(data).digest()[:KEY_BYTES])
+    return BlockKey(xxhash.xxh3_128_digest(data))
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Everything that must differ for two identical token sequences to have different KV.
+
+    Router block keys use model, revision, LoRA and tenant. Store keys add the KV dtype and layout
+    (see :meth:`for_store`), because the same prefix stored as bf16 and as int8 are different bytes.
+    """
+
+    model: str
+    revision: str = ""
+    lora: str = ""
+    tenant: str = ""
+    kv_dtype: str = ""
+    kv_layout: str = ""
+
+    def for_store(self, kv_dtype: str, kv_layout: str) -> Namespace:
+        """Return this namespace extended with the KV format, for store keys."""
+        return Namespace(self.model, self.revision, self.lora, self.tenant, kv_dtype, kv_layout)
+
+    def for_tenant(self, tenant: str) -> Namespace:
+        """Return this namespace with ``tenant`` as the salt."""
+        return Namespace(self.model, self.revision, self.lora, tenant, self.kv_dtype, self.kv_layout)
+
+    def encode(self) -> bytes:
+        """Canonical bytes: each field length-prefixed so no two namespaces encode alike."""
+        parts = [b"kvmesh-ns-v1"]
+        for value in (self.model, self.revision, self.lora, self.tenant, self.kv_dtype, self.kv_layout):
+            raw = value.encode("utf-8")
+            parts.append(len(raw).to_bytes(4, "little"))
+            parts.append(raw)
+        return b"".join(parts)
+
+    def label(self) -> str:
+        """A short human-readable form for logs and metrics labels."""
+        extras = [f"{k}={v}" for k, v in (("rev", self.revision), ("lora", self.lora)) if v]
+        return ",".join([self.model, *extras])
+
+
+def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Pack token ids as u32 little-endian.
+
+    Raises:
+        ValueError: a token id is negative or does not fit in 32 bits.
+    """
+    arr = np.asarray(tokens)
+    if arr.size == 0:
+        return b""
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi > _MAX_TOKEN_ID:
+        raise ValueError(f"token ids must lie in [0, {_MAX_TOKEN_ID}], got range [{lo}, {hi}]")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+@dataclass(slots=True)
+class BlockHasher:
+    """Computes the key chain of a token sequence for one namespace.
+
+    Args:
+        namespace: model/revision/LoRA/tenant (and, for the store, KV format).
+        block_size: tokens per block; only full blocks get a key.
+        algo: digest behind the chain.
+    """
+
+    namespace: Namespace
+    block_size: int = DEFAULT_BLOCK_SIZE
+    algo: HashAlgo = HashAlgo.SHA256
+    _root: BlockKey = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        self.algo = HashAlgo(self.algo)
+        self._root = _digest(self.algo, self.namespace.encode())
+
+    @property
+    def root(self) -> BlockKey:
+        """``h_0``: the chain value before the first block."""
+        return self._root
+
+    def num_full_blocks(self, num_tokens: int) -> int:
+        """How many full blocks ``num_tokens`` tokens make."""
+        return num_tokens // self.block_size
+
+    def hash_blocks(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        parent: BlockKey | None = None,
+        max_blocks: int | None = None,
+    ) -> list[BlockKey]:
+        """Key every full block of ``tokens``.
+
+        Args:
+            tokens: token ids; a trailing partial block is ignored.
+            parent: chain value before ``tokens[0]``; ``None`` means the namespace root, i.e.
+                ``tokens`` starts the prompt. Pass the last key of a previous call to extend a chain.
+            max_blocks: stop after this many blocks.
+
+        Returns:
+            One key per full block, in order.
+        """
+        n_blocks = len(tokens) // self.block_size
+        if max_blocks is not None:
+            n_blocks = min(n_blocks, max_blocks)
+        if n_blocks == 0:
+            return []
+        raw = tokens_to_bytes(tokens[: n_blocks * self.block_size])
+        stride = self.block_size * 4
+        prev = self._root if parent is None else parent
+        keys: list[BlockKey] = []
+        append = keys.append
+        if self.algo is HashAlgo.SHA256:
+            sha = hashlib.sha256
+            for off in range(0, n_blocks * stride, stride):
+                prev = BlockKey(sha(prev + raw[off : off + stride]).digest()[:KEY_BYTES])
+                append(prev)
+        else:
+            xxh = xxhash.xxh3_128_digest
+            for off in range(0, n_blocks * stride, stride):
+                prev = BlockKey(xxh(prev + raw[off : off + stride]))
+                append(prev)
+        return keys
+
+    def chunk_keys(
+        self, tokens: Sequence[int] | np.ndarray, chunk_size: int = DEFAULT_CHUNK_SIZE
+    ) -> list[BlockKey]:
+        """Key every full chunk of ``tokens``: the chain value at each chunk's last block.
+
+        Raises:
+            ValueError: ``chunk_size`` is not a positive multiple of ``block_size``.
+        """
+        blocks_per_chunk = self.blocks_per_chunk(chunk_size)
+        keys = self.hash_blocks(tokens)
+        return keys[blocks_per_chunk - 1 :: blocks_per_chunk]
+
+    def blocks_per_chunk(self, chunk_size: int) -> int:
+        """Blocks in one chunk; validates that chunks line up with blocks."""
+        if chunk_size <= 0 or chunk_size % self.block_size:
+            raise ValueError(
+                f"chunk_size must be a positive multiple of block_size={self.block_size}, got {chunk_size}"
+            )
+        return chunk_size // self.block_size
+
+
+def hex_key(key: BlockKey) -> str:
+    """Hex form of a key, for logs, file names and Redis keys."""
+    return key.hex()
+
+
+def key_from_hex(text: str) -> BlockKey:
+    """Inverse of :func:`hex_key`.
+
+    Raises:
+        ValueError: ``text`` is not hex of a key's length.
+    """
+    raw = bytes.fromhex(text)
+    if len(raw) != KEY_BYTES:
+        raise ValueError(f"a block key is {KEY_BYTES} bytes, got {len(raw)}")
+    return BlockKey(raw)

@@ -1,0 +1,1 @@
+"""Connectors that let other serving engines use the kvmesh store."""

@@ -1,0 +1,1 @@
+"""Discrete-event fleet simulator built on the engine's cost model and the router's own code."""
