@@ -76,6 +76,8 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
+# msgspec raises UnicodeDecodeError (a ValueError) for invalid UTF-8 inside str fields.
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError)
 _encoder = msgspec.msgpack.Encoder()
 _fast_decoder = msgspec.msgpack.Decoder(KVEventBatch)
 _any_decoder = msgspec.msgpack.Decoder()
@@ -96,11 +98,11 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     """
     try:
         return _fast_decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except _DECODE_ERRORS:
         pass
     try:
         raw = _any_decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except _DECODE_ERRORS as exc:
         raise ProtocolError(f"not msgpack: {exc}") from exc
     return _normalize_batch(raw)
 
@@ -138,7 +140,7 @@ def normalize_event(raw: Any) -> KVEvent:
         values = {k: v for k, v in raw.items() if k in fields}
         try:
             return msgspec.convert(values, type=_MAP_FORMS[cls])._to_event()
-        except msgspec.ValidationError as exc:
+        except _DECODE_ERRORS as exc:
             raise ProtocolError(f"bad {tag} event: {exc}") from exc
     if isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
         cls = _EVENT_TYPES.get(raw[0])
@@ -146,8 +148,8 @@ def normalize_event(raw: Any) -> KVEvent:
             raise ProtocolError(f"unknown event type {raw[0]!r}")
         body = list(raw[1 : 1 + len(cls.__struct_fields__)])
         try:
-            return msgspec.convert([raw[0], *body], type=KVEvent)  # type: ignore[arg-type]
-        except msgspec.ValidationError as exc:
+            return msgspec.convert([raw[0], *body], type=KVEvent)
+        except _DECODE_ERRORS as exc:
             raise ProtocolError(f"bad {raw[0]} event: {exc}") from exc
     raise ProtocolError(f"event must be a tagged array or a map with 'type', got {type(raw).__name__}")
 

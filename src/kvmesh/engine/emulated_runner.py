@@ -1,0 +1,107 @@
+"""A ModelRunner with no tensors: each step takes as long as the cost model says a GPU would.
+
+Sleeps are scheduled against a running deadline (``busy_until``), so the event loop's own latency
+does not accumulate: a prefill split into many chunks finishes when the sum of its step times says,
+not later. Sampled tokens are a deterministic function of (request id, position) that never hits EOS,
+so emulated requests run to ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import numpy as np
+import xxhash
+
+from kvmesh.engine.cost_model import CostModel, CostPreset, get_preset
+from kvmesh.engine.runner import ModelRunner, RunnerInfo, Sequence, StepOutput, StepPlan
+
+
+class EmulatedRunner:
+    """Cost-model runner.
+
+    Args:
+        preset: a :class:`CostPreset` or its name.
+        model_name: served model name (defaults to the preset's model).
+        vocab_size: sampled tokens lie in ``[0, vocab_size)``; defaults to the model's.
+        eos_token_ids: never sampled.
+        clock: monotonic clock in seconds (tests may pass their own).
+    """
+
+    def __init__(
+        self,
+        preset: CostPreset | str,
+        *,
+        model_name: str | None = None,
+        vocab_size: int | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+        max_model_len: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.preset = get_preset(preset) if isinstance(preset, str) else preset
+        self.cost = CostModel(self.preset)
+        spec = self.preset.model
+        self.info = RunnerInfo(
+            model_name=model_name or spec.name,
+            max_model_len=max_model_len or spec.max_model_len,
+            vocab_size=vocab_size or spec.vocab_size,
+            eos_token_ids=eos_token_ids,
+            kv=spec.kv_layout(),
+            device=f"emulated:{self.preset.name}",
+        )
+        self._clock = clock
+        self.busy_until = 0.0
+        self.busy_seconds = 0.0
+        self.num_steps = 0
+
+    def step_seconds(self, plan: StepPlan) -> float:
+        """Modelled duration of ``plan``: the batched step plus KV loads of first chunks from slower tiers."""
+        prefills = [(c.start, c.end) for c in plan.prefills]
+        contexts = [s.num_computed_tokens + 1 for s in plan.decodes]
+        seconds = self.cost.step_time(prefills, contexts)
+        for chunk in plan.prefills:
+            if chunk.cached_tier and chunk.start > 0 and chunk.seq.num_computed_tokens == 0:
+                seconds += self.cost.kv_load_time(chunk.start, chunk.cached_tier)
+        return seconds
+
+    async def execute(self, plan: StepPlan) -> StepOutput:
+        """Sleep until the step would finish, then advance the sequences and sample."""
+        seconds = self.step_seconds(plan)
+        now = self._clock()
+        start = max(now, self.busy_until)
+        self.busy_until = start + seconds
+        self.busy_seconds += seconds
+        self.num_steps += 1
+        delay = self.busy_until - now
+        if delay > 0:
+            await asyncio.sleep(delay)
+        out = StepOutput()
+        for chunk in plan.prefills:
+            seq = chunk.seq
+            seq.num_computed_tokens = chunk.end
+            if chunk.end == len(seq.token_ids):
+                out.sampled[seq.request_id] = self._sample(seq)
+        for seq in plan.decodes:
+            seq.num_computed_tokens += 1
+            out.sampled[seq.request_id] = self._sample(seq)
+        return out
+
+    def _sample(self, seq: Sequence) -> int:
+        position = len(seq.token_ids)
+        digest = xxhash.xxh3_64_intdigest(f"{seq.request_id}:{position}".encode())
+        token = digest % self.info.vocab_size
+        while token in self.info.eos_token_ids:
+            token = (token + 1) % self.info.vocab_size
+        return token
+
+    def export_kv(self, seq: Sequence, start: int, end: int) -> np.ndarray | None:
+        """No KV exists in emulation."""
+        return None
+
+    def free(self, seq: Sequence) -> None:
+        seq.runner_state = None
+
+
+_: type[ModelRunner] = EmulatedRunner

@@ -1,0 +1,347 @@
+"""Device-tier prefix cache: full blocks of KV keyed by the chained block key, evicted LRU.
+
+Capacity is counted in blocks of ``block_size`` tokens::
+
+    capacity = | pinned blocks (ref > 0) | free cached blocks (ref 0, LRU) | reserved | spare |
+                 ^ used by running requests                                  ^ promised to running
+                                                                               requests, not cached yet
+
+A running request holds an :class:`Allocation`: the cached blocks it reads (pinned, so they cannot be
+evicted under it) and a reservation for the blocks it will compute. As its blocks fill, ``cache_blocks``
+turns reservations into cached blocks; ``free`` unpins them (they become evictable, most-recent last)
+and returns what was left of the reservation. Eviction takes the least recently freed block first, and
+a chain's blocks are freed tail first so a chain is evicted from its end, keeping its head reusable.
+
+Every change is recorded as a vLLM KV event (medium "GPU"), drained by :meth:`PrefixCache.take_events`.
+The engine's block hash on the wire is the first 8 bytes of the :data:`BlockKey`, big-endian.
+
+The cache never sleeps and never reads a clock, so the fleet simulator drives the same class in
+virtual time (:meth:`PrefixCache.create_simulated`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvmesh.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
+from kvmesh.core.types import BlockKey, Medium
+
+
+def engine_block_hash(key: BlockKey) -> int:
+    """The u64 an engine publishes for a block: the key's first 8 bytes, big-endian."""
+    return int.from_bytes(key[:8], "big")
+
+
+@dataclass(slots=True)
+class _Block:
+    key: BlockKey
+    parent: BlockKey | None
+    token_ids: list[int]
+    ref_count: int = 0
+    kv: np.ndarray | None = None
+
+
+@dataclass(slots=True)
+class Allocation:
+    """What one running request holds in the cache.
+
+    ``keys`` lists the blocks it pins, in chain order from the first block of its prompt;
+    ``num_reserved`` counts blocks promised to it and not yet cached.
+    """
+
+    request_id: str
+    keys: list[BlockKey] = field(default_factory=list)
+    num_reserved: int = 0
+    freed: bool = False
+
+
+class PrefixCache:
+    """Block LRU of prompt prefixes with ref-counted pinning and vLLM event output.
+
+    Args:
+        capacity_tokens: KV tokens the device holds; rounded down to whole blocks.
+        block_size: tokens per block.
+        hasher: key chain for the default namespace; tenants get ``namespace.for_tenant(t)``.
+        medium: the ``medium`` of published events.
+        keep_kv: store each block's KV array (torch mode); ``False`` for emulated and simulated use.
+    """
+
+    def __init__(
+        self,
+        capacity_tokens: int,
+        block_size: int = 16,
+        hasher: BlockHasher | None = None,
+        *,
+        medium: str = Medium.GPU.value,
+        keep_kv: bool = True,
+    ) -> None:
+        if capacity_tokens < block_size:
+            raise ValueError(f"capacity_tokens={capacity_tokens} is less than one block of {block_size}")
+        self.block_size = block_size
+        self.hasher = hasher or BlockHasher(Namespace("default"), block_size)
+        if self.hasher.block_size != block_size:
+            raise ValueError(f"hasher block_size {self.hasher.block_size} != cache block_size {block_size}")
+        self.capacity_blocks = capacity_tokens // block_size
+        self.medium = medium
+        self.keep_kv = keep_kv
+        self._blocks: dict[BlockKey, _Block] = {}
+        self._free: OrderedDict[BlockKey, None] = OrderedDict()
+        self._hashers: dict[str, BlockHasher] = {"": self.hasher} if not self.hasher.namespace.tenant else {}
+        self.num_reserved = 0
+        self.num_evicted = 0
+        self._events: list[KVEvent] = []
+
+    @classmethod
+    def create_simulated(
+        cls, capacity_tokens: int, block_size: int = 16, model: str = "sim", algo: str = "xxh3"
+    ) -> PrefixCache:
+        """A cache without KV arrays, for emulated engines and the simulator."""
+        hasher = BlockHasher(Namespace(model), block_size, HashAlgo(algo))
+        return cls(capacity_tokens, block_size, hasher, keep_kv=False)
+
+    # ---------------------------------------------------------------- keys and lookups
+
+    def block_keys(self, tokens: Sequence[int], tenant: str = "") -> list[BlockKey]:
+        """Keys of every full block of ``tokens`` in ``tenant``'s namespace."""
+        hasher = self._hashers.get(tenant)
+        if hasher is None:
+            base = self.hasher
+            hasher = BlockHasher(base.namespace.for_tenant(tenant), base.block_size, base.algo)
+            self._hashers[tenant] = hasher
+        return hasher.hash_blocks(tokens)
+
+    def match(self, keys: Sequence[BlockKey]) -> int:
+        """Number of leading ``keys`` cached. No side effects."""
+        n = 0
+        for key in keys:
+            if key not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._blocks
+
+    def cached_keys(self) -> set[BlockKey]:
+        """Every cached block key (pinned or free)."""
+        return set(self._blocks)
+
+    def get_kv(self, keys: Sequence[BlockKey]) -> np.ndarray | None:
+        """KV of consecutive cached blocks concatenated on the token axis: (L, 2, H, n·block_size, D).
+
+        Returns:
+            ``None`` when ``keys`` is empty, a block is missing, or blocks carry no KV.
+        """
+        arrays = []
+        for key in keys:
+            block = self._blocks.get(key)
+            if block is None or block.kv is None:
+                return None
+            arrays.append(block.kv)
+        if not arrays:
+            return None
+        return np.concatenate(arrays, axis=3)
+
+    # ---------------------------------------------------------------- accounting
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Cached blocks nobody pins (evictable)."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by running requests: pinned plus reserved."""
+        return len(self._blocks) - len(self._free) + self.num_reserved
+
+    @property
+    def usage(self) -> float:
+        """Fraction of capacity held by running requests (vLLM's ``kv_cache_usage_perc``, 0..1)."""
+        return self.num_used_blocks / self.capacity_blocks
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether ``num_blocks`` more blocks could be reserved (evicting free blocks if needed)."""
+        return self.num_used_blocks + num_blocks <= self.capacity_blocks
+
+    # ---------------------------------------------------------------- allocation
+
+    def allocate(
+        self, request_id: str, keys: Sequence[BlockKey], num_cached: int, num_new_blocks: int
+    ) -> Allocation | None:
+        """Pin the first ``num_cached`` of ``keys`` and reserve ``num_new_blocks`` blocks.
+
+        Args:
+            request_id: owner, for debugging.
+            keys: the request's block keys from its first block.
+            num_cached: leading keys to pin; each must be cached (see :meth:`match`).
+            num_new_blocks: blocks the request will compute.
+
+        Returns:
+            The allocation, or ``None`` when the blocks do not fit (nothing changes then).
+        """
+        if num_cached > len(keys):
+            raise ValueError(f"num_cached={num_cached} exceeds {len(keys)} keys")
+        newly_pinned = sum(1 for k in keys[:num_cached] if self._blocks[k].ref_count == 0)
+        if self.num_used_blocks + newly_pinned + num_new_blocks > self.capacity_blocks:
+            return None
+        alloc = Allocation(request_id)
+        for key in keys[:num_cached]:
+            self._pin(key)
+            alloc.keys.append(key)
+        self._reserve(num_new_blocks)
+        alloc.num_reserved = num_new_blocks
+        return alloc
+
+    def grow(self, alloc: Allocation, num_blocks: int) -> bool:
+        """Reserve ``num_blocks`` more blocks for ``alloc``; ``False`` (and no change) if they do not fit."""
+        if not self.can_allocate(num_blocks):
+            return False
+        self._reserve(num_blocks)
+        alloc.num_reserved += num_blocks
+        return True
+
+    def cache_blocks(
+        self,
+        alloc: Allocation,
+        keys: Sequence[BlockKey],
+        token_ids: Sequence[int],
+        kv: np.ndarray | None = None,
+        kv_start: int = 0,
+        tenant: str = "",
+    ) -> int:
+        """Cache the blocks of ``keys`` past the ones ``alloc`` already pins.
+
+        Args:
+            alloc: the owner; its pinned keys must be a prefix of ``keys``.
+            keys: block keys from the request's first block.
+            token_ids: the request's tokens (at least ``len(keys) * block_size``).
+            kv: KV of tokens ``[kv_start, len(keys) * block_size)`` or ``None``.
+            kv_start: first token ``kv`` covers; must be ``len(alloc.keys) * block_size`` or less.
+            tenant: published in ``extra_keys`` of a chain's first block.
+
+        Returns:
+            Blocks added to ``alloc`` (cached now, either new or already there). Fewer than asked
+            when the reservation is spent and nothing can be evicted.
+        """
+        assert not alloc.freed, f"cache_blocks on freed allocation of {alloc.request_id}"
+        first = len(alloc.keys)
+        assert list(keys[:first]) == alloc.keys, f"allocation of {alloc.request_id} is not a prefix of keys"
+        bs = self.block_size
+        added = 0
+        run: list[_Block] = []
+        for i in range(first, len(keys)):
+            key = keys[i]
+            existing = self._blocks.get(key)
+            if existing is not None:
+                self._flush_run(run, tenant)
+                run = []
+                self._pin(key)
+                if alloc.num_reserved > 0:
+                    alloc.num_reserved -= 1
+                    self.num_reserved -= 1
+            else:
+                if alloc.num_reserved > 0:
+                    alloc.num_reserved -= 1
+                    self.num_reserved -= 1
+                elif not self._make_room(1):
+                    break
+                block_kv = None
+                if kv is not None and self.keep_kv:
+                    lo = i * bs - kv_start
+                    assert lo >= 0, f"kv_start={kv_start} is past block {i}"
+                    block_kv = np.ascontiguousarray(kv[:, :, :, lo : lo + bs])
+                block = _Block(key, keys[i - 1] if i else None, list(token_ids[i * bs : (i + 1) * bs]), 1, block_kv)
+                self._blocks[key] = block
+                run.append(block)
+            alloc.keys.append(key)
+            added += 1
+        self._flush_run(run, tenant)
+        return added
+
+    def free(self, alloc: Allocation) -> None:
+        """Unpin ``alloc``'s blocks (tail first into the LRU) and return its reservation. Idempotent."""
+        if alloc.freed:
+            return
+        alloc.freed = True
+        for key in reversed(alloc.keys):
+            block = self._blocks.get(key)
+            assert block is not None and block.ref_count > 0, f"pinned block vanished ({alloc.request_id})"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[key] = None
+        self.num_reserved -= alloc.num_reserved
+        alloc.num_reserved = 0
+        assert self.num_reserved >= 0, "reservation count went negative: an allocation was freed twice"
+
+    def reset(self) -> bool:
+        """Drop every cached block; refused (``False``) while any block is pinned or reserved."""
+        if self.num_used_blocks:
+            return False
+        self._blocks.clear()
+        self._free.clear()
+        self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        """Events since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    # ---------------------------------------------------------------- internals
+
+    def _pin(self, key: BlockKey) -> None:
+        block = self._blocks[key]
+        if block.ref_count == 0:
+            self._free.pop(key, None)
+        block.ref_count += 1
+
+    def _reserve(self, num_blocks: int) -> None:
+        self._make_room(num_blocks, reserving=True)
+        self.num_reserved += num_blocks
+
+    def _make_room(self, num_blocks: int, reserving: bool = False) -> bool:
+        """Evict free blocks until ``num_blocks`` more fit; ``False`` if impossible (nothing evicted)."""
+        pinned = len(self._blocks) - len(self._free)
+        if pinned + self.num_reserved + num_blocks > self.capacity_blocks:
+            assert not reserving, "reserve without a capacity check"
+            return False
+        excess = len(self._blocks) + self.num_reserved + num_blocks - self.capacity_blocks
+        if excess > 0:
+            removed: list[int] = []
+            for _ in range(excess):
+                key, _none = self._free.popitem(last=False)
+                del self._blocks[key]
+                removed.append(engine_block_hash(key))
+            self.num_evicted += len(removed)
+            self._events.append(BlockRemoved(list(removed), self.medium))
+        return True
+
+    def _flush_run(self, run: list[_Block], tenant: str) -> None:
+        if not run:
+            return
+        head = run[0]
+        extra_keys: list[object] | None = None
+        if tenant:
+            extra_keys = [[tenant] if b.parent is None else None for b in run]
+        tokens: list[int] = []
+        for b in run:
+            tokens.extend(b.token_ids)
+        self._events.append(
+            BlockStored(
+                block_hashes=[engine_block_hash(b.key) for b in run],
+                parent_block_hash=None if head.parent is None else engine_block_hash(head.parent),
+                token_ids=tokens,
+                block_size=self.block_size,
+                medium=self.medium,
+                extra_keys=extra_keys,
+            )
+        )

@@ -1,0 +1,266 @@
+"""The block index: which pods hold which block, in which tiers.
+
+::
+
+    BlockKey ──► { PodId: MediumSet }        MediumSet = bit set of tiers (GPU|CPU|DISK|SHARED)
+
+Keys are kvmesh's own chained block keys (re-hashed from event tokens by
+:mod:`kvmesh.router.ingest`), so a request's keys are computed with the same function and a lookup
+is a walk down the chain that stops at the first block nobody holds.
+
+Every backend implements :class:`BlockIndex` (five methods). :class:`InMemoryIndex` is the default:
+an LRU-bounded ordered dict mutated only from the event loop (no locks).
+:class:`InstrumentedIndex` wraps any backend with Prometheus counters. The Redis backend lives in
+:mod:`kvmesh.router.redis_index`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NewType, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from kvmesh.core.types import BlockKey, Medium, PodId
+
+MediumSet = NewType("MediumSet", int)
+"""Bit set of the tiers a pod holds one block in."""
+
+EMPTY_MEDIUM_SET = MediumSet(0)
+
+MEDIUM_BITS: dict[Medium, int] = {Medium.GPU: 1, Medium.CPU: 2, Medium.DISK: 4, Medium.SHARED: 8}
+ALL_MEDIA = MediumSet(15)
+_BEST_FIRST = (Medium.GPU, Medium.CPU, Medium.DISK, Medium.SHARED)
+_BEST_OF: list[Medium | None] = [None] * 16
+for _mask in range(1, 16):
+    _BEST_OF[_mask] = next(m for m in _BEST_FIRST if _mask & MEDIUM_BITS[m])
+
+DEFAULT_INDEX_CAPACITY = 2_000_000
+
+
+def medium_set(*media: Medium) -> MediumSet:
+    """Pack tiers into a :data:`MediumSet`."""
+    bits = 0
+    for m in media:
+        bits |= MEDIUM_BITS[m]
+    return MediumSet(bits)
+
+
+def best_medium(mask: MediumSet) -> Medium:
+    """The fastest tier in a non-empty set (GPU, then CPU, DISK, SHARED)."""
+    best = _BEST_OF[mask & 15]
+    assert best is not None, f"empty medium set {mask} leaked into the index"
+    return best
+
+
+def media_of(mask: MediumSet) -> list[Medium]:
+    """Unpack a :data:`MediumSet`, fastest tier first."""
+    return [m for m in _BEST_FIRST if mask & MEDIUM_BITS[m]]
+
+
+Holders = dict[PodId, MediumSet]
+"""The pods holding one block and their tiers. Read-only for callers."""
+
+
+@dataclass(slots=True)
+class IndexStats:
+    """A snapshot of an index's size and activity."""
+
+    num_keys: int
+    num_entries: int
+    num_evicted: int
+    capacity: int
+    backend: str
+
+
+class BlockIndex(Protocol):
+    """Where each block lives. All methods are synchronous and idempotent.
+
+    Mutations come from one thread (the event loop); ``lookup`` may run anywhere the backend
+    allows (the in-memory one on the same loop, the Redis one on a worker thread).
+    """
+
+    def add(self, keys: Sequence[BlockKey], pod: PodId, media: MediumSet) -> None:
+        """Record that ``pod`` holds every block in ``keys`` in the tiers ``media`` (added to what it had)."""
+        ...
+
+    def remove(self, keys: Sequence[BlockKey], pod: PodId, media: MediumSet = ALL_MEDIA) -> None:
+        """Forget ``pod``'s copies of ``keys`` in the tiers ``media``; unknown keys are ignored."""
+        ...
+
+    def lookup(self, keys: Iterable[BlockKey]) -> list[Holders]:
+        """Holders of each key in order, stopping before the first key nobody holds.
+
+        Args:
+            keys: a prompt's block keys; may be a lazy iterator, which is consumed only as far as
+                needed (so callers can hash blocks on demand).
+
+        Returns:
+            ``len(result) <= len(keys)``; ``result[i]`` is non-empty.
+        """
+        ...
+
+    def clear_pod(self, pod: PodId) -> int:
+        """Drop every block ``pod`` holds (its cache was cleared or its publisher restarted).
+
+        Returns:
+            How many (key, pod) entries were dropped.
+        """
+        ...
+
+    def stats(self) -> IndexStats:
+        """Current size and counters."""
+        ...
+
+
+class InMemoryIndex:
+    """LRU-bounded in-process index.
+
+    Args:
+        capacity: most keys kept; adding past it evicts the least recently added or looked-up key.
+    """
+
+    def __init__(self, capacity: int = DEFAULT_INDEX_CAPACITY) -> None:
+        if capacity <= 0:
+            raise ValueError(f"index capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self._blocks: OrderedDict[BlockKey, dict[PodId, MediumSet]] = OrderedDict()
+        self._num_entries = 0
+        self.num_evicted = 0
+
+    def add(self, keys: Sequence[BlockKey], pod: PodId, media: MediumSet) -> None:
+        blocks = self._blocks
+        move = blocks.move_to_end
+        added = 0
+        for key in keys:
+            holders = blocks.get(key)
+            if holders is None:
+                blocks[key] = {pod: media}
+                added += 1
+                continue
+            move(key)
+            old = holders.get(pod)
+            if old is None:
+                holders[pod] = media
+                added += 1
+            else:
+                holders[pod] = MediumSet(old | media)
+        self._num_entries += added
+        if len(blocks) > self.capacity:
+            self._evict(len(blocks) - self.capacity)
+
+    def _evict(self, n: int) -> None:
+        pop = self._blocks.popitem
+        for _ in range(n):
+            _, holders = pop(last=False)
+            self._num_entries -= len(holders)
+        self.num_evicted += n
+
+    def remove(self, keys: Sequence[BlockKey], pod: PodId, media: MediumSet = ALL_MEDIA) -> None:
+        blocks = self._blocks
+        for key in keys:
+            holders = blocks.get(key)
+            if holders is None:
+                continue
+            old = holders.get(pod)
+            if old is None:
+                continue
+            left = old & ~media
+            if left:
+                holders[pod] = MediumSet(left)
+                continue
+            del holders[pod]
+            self._num_entries -= 1
+            if not holders:
+                del blocks[key]
+
+    def lookup(self, keys: Iterable[BlockKey]) -> list[Holders]:
+        blocks = self._blocks
+        move = blocks.move_to_end
+        out: list[Holders] = []
+        append = out.append
+        for key in keys:
+            holders = blocks.get(key)
+            if not holders:
+                break
+            move(key)
+            append(holders)
+        return out
+
+    def clear_pod(self, pod: PodId) -> int:
+        blocks = self._blocks
+        emptied: list[BlockKey] = []
+        dropped = 0
+        for key, holders in blocks.items():
+            if holders.pop(pod, None) is not None:
+                dropped += 1
+                if not holders:
+                    emptied.append(key)
+        for key in emptied:
+            del blocks[key]
+        self._num_entries -= dropped
+        return dropped
+
+    def stats(self) -> IndexStats:
+        return IndexStats(len(self._blocks), self._num_entries, self.num_evicted, self.capacity, "memory")
+
+
+class InstrumentedIndex:
+    """Wraps a :class:`BlockIndex` with Prometheus metrics on its own registry.
+
+    Metrics: ``kvmesh_router_index_ops_total{op}``, ``kvmesh_router_index_keys_total{op}`` and
+    ``kvmesh_router_index_lookup_seconds``.
+    """
+
+    def __init__(self, inner: BlockIndex, registry: CollectorRegistry | None = None) -> None:
+        self.inner = inner
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._ops = Counter(
+            "kvmesh_router_index_ops", "Index operations", ["op"], registry=self.registry
+        )
+        self._keys = Counter(
+            "kvmesh_router_index_keys", "Keys passed to index operations", ["op"], registry=self.registry
+        )
+        self._lookup_seconds = Histogram(
+            "kvmesh_router_index_lookup_seconds",
+            "Index lookup latency",
+            buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1),
+            registry=self.registry,
+        )
+        self._add_ops, self._add_keys = self._ops.labels("add"), self._keys.labels("add")
+        self._rm_ops, self._rm_keys = self._ops.labels("remove"), self._keys.labels("remove")
+        self._lk_ops, self._lk_keys = self._ops.labels("lookup"), self._keys.labels("lookup")
+        self._clear_ops = self._ops.labels("clear_pod")
+
+    def add(self, keys: Sequence[BlockKey], pod: PodId, media: MediumSet) -> None:
+        self._add_ops.inc()
+        self._add_keys.inc(len(keys))
+        self.inner.add(keys, pod, media)
+
+    def remove(self, keys: Sequence[BlockKey], pod: PodId, media: MediumSet = ALL_MEDIA) -> None:
+        self._rm_ops.inc()
+        self._rm_keys.inc(len(keys))
+        self.inner.remove(keys, pod, media)
+
+    def lookup(self, keys: Iterable[BlockKey]) -> list[Holders]:
+        start = time.perf_counter()
+        result = self.inner.lookup(keys)
+        self._lookup_seconds.observe(time.perf_counter() - start)
+        self._lk_ops.inc()
+        self._lk_keys.inc(len(result))
+        return result
+
+    def clear_pod(self, pod: PodId) -> int:
+        self._clear_ops.inc()
+        return self.inner.clear_pod(pod)
+
+    def stats(self) -> IndexStats:
+        return self.inner.stats()
+
+
+def _conforms(memory: InMemoryIndex, instrumented: InstrumentedIndex) -> tuple[BlockIndex, BlockIndex]:
+    """Lets mypy check that each implementation satisfies :class:`BlockIndex`."""
+    return memory, instrumented

@@ -1,0 +1,136 @@
+"""Records the scheduler consumes and produces.
+
+``RoutingRequest`` and ``EndpointState`` go in, ``Decision`` comes out. They are plain slotted
+dataclasses so the fleet simulator can build them in virtual time without any I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from kvmesh.core.hashing import Namespace
+from kvmesh.core.types import Medium, PodId
+
+
+class Role(StrEnum):
+    """What an endpoint serves. ``BOTH`` takes whole requests; P/D pools split them."""
+
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+    @classmethod
+    def parse(cls, value: str | None) -> Role:
+        """Parse a role name; ``None`` or empty means ``BOTH``.
+
+        Raises:
+            ValueError: an unknown role name.
+        """
+        if not value:
+            return cls.BOTH
+        try:
+            return cls(value.lower())
+        except ValueError as exc:
+            raise ValueError(f"role must be one of both|prefill|decode, got {value!r}") from exc
+
+
+@dataclass(slots=True)
+class EndpointState:
+    """One endpoint as the scheduler sees it at decision time.
+
+    Attributes:
+        pod: the endpoint's identity (its base URL), also the pod id of its KV events.
+        role: which part of a request it serves.
+        waiting: requests queued at the engine (``vllm:num_requests_waiting``).
+        running: requests being decoded (``vllm:num_requests_running``).
+        kv_cache_usage: device KV cache fill in [0, 1] (``vllm:kv_cache_usage_perc``).
+        in_flight: requests the router has sent and not yet seen finish.
+        healthy: passes health checks.
+    """
+
+    pod: PodId
+    role: Role = Role.BOTH
+    waiting: int = 0
+    running: int = 0
+    kv_cache_usage: float = 0.0
+    in_flight: int = 0
+    healthy: bool = True
+
+
+@dataclass(slots=True)
+class PodMatch:
+    """How much of a request's prefix one pod holds.
+
+    Attributes:
+        num_blocks: consecutive blocks from the start the pod holds in any tier.
+        blocks_by_tier: matched blocks per best tier, for transfer-time estimates.
+    """
+
+    num_blocks: int = 0
+    blocks_by_tier: dict[Medium, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """The index's answer for one request: per-pod consecutive matches.
+
+    Attributes:
+        num_blocks: full blocks in the prompt.
+        block_size: tokens per block.
+        pods: pods holding at least the first block.
+    """
+
+    num_blocks: int
+    block_size: int
+    pods: dict[PodId, PodMatch] = field(default_factory=dict)
+
+    def hit_tokens(self, pod: PodId) -> int:
+        """Prompt tokens ``pod`` holds as a prefix."""
+        match = self.pods.get(pod)
+        return 0 if match is None else match.num_blocks * self.block_size
+
+
+@dataclass(slots=True)
+class RoutingRequest:
+    """What the scheduler knows about one request.
+
+    Attributes:
+        request_id: unique id, used for logs and history.
+        tokens: prompt token ids (as the engine will see them).
+        namespace: model/LoRA/tenant the prompt's blocks live in.
+        session_id: ``x-session-id`` header, for session affinity.
+        prefix: per-pod cached prefix; filled by the scheduler from its index when ``None``.
+    """
+
+    request_id: str
+    tokens: list[int]
+    namespace: Namespace
+    session_id: str | None = None
+    prefix: PrefixMatch | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt length in tokens."""
+        return len(self.tokens)
+
+
+@dataclass(slots=True)
+class Decision:
+    """Where a request goes.
+
+    Attributes:
+        endpoint: the chosen endpoint (for P/D, the decode endpoint).
+        ranked: every candidate, best first, ``endpoint`` included; the gateway retries down it.
+        scores: final weighted score per candidate.
+        prefill: the prefill endpoint when the P/D decider splits the request, else ``None``.
+        predicted_hit_tokens: prompt tokens the index says ``endpoint`` already holds.
+        profile: name of the scheduling profile that chose ``endpoint``.
+    """
+
+    endpoint: PodId
+    ranked: list[PodId]
+    scores: dict[PodId, float]
+    prefill: PodId | None = None
+    predicted_hit_tokens: int = 0
+    profile: str = "default"

@@ -1,0 +1,194 @@
+"""Local disk tier: a directory of chunk files under a byte budget, LRU, owned by one process.
+
+The process keeps an in-memory index (key → size, in LRU order) so ``exists_many`` costs no I/O.
+At start the index is rebuilt from the directory (oldest modification time first); temporary files
+left by an interrupted write are deleted, and files that are not chunk files are ignored, so a
+restart keeps every complete chunk. File I/O runs in worker threads, never on the event loop.
+
+Space is reserved in the index before a write starts: evictions are decided first, so the bytes on
+disk never exceed the budget, even with writes in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+from kvmesh.errors import TierUnavailableError
+from kvmesh.store.backends import files
+from kvmesh.store.backends.base import Backend, BackendStats
+from kvmesh.store.keys import StoreKey
+
+T = TypeVar("T")
+
+
+class DiskBackend:
+    """Bounded LRU of chunk files in ``root``.
+
+    Args:
+        root: directory (created when missing). One process owns it; use
+            :class:`~kvmesh.store.backends.fs.SharedDirBackend` for a directory shared by many.
+        capacity_bytes: byte budget for chunk files (> 0).
+        fsync: fsync each file before it is renamed into place (durable across power loss).
+    """
+
+    kind = "disk"
+
+    def __init__(self, root: str | os.PathLike[str], capacity_bytes: int, *, fsync: bool = False) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self.root = Path(root)
+        self.capacity_bytes = capacity_bytes
+        self.fsync = fsync
+        self.num_evictions = 0
+        self._index: OrderedDict[StoreKey, int] = OrderedDict()
+        self._num_bytes = 0
+        self._loaded: asyncio.Future[None] | None = None
+
+    @property
+    def num_bytes(self) -> int:
+        return self._num_bytes
+
+    async def _ensure_loaded(self) -> None:
+        if self._loaded is None:
+            self._loaded = asyncio.get_running_loop().create_future()
+            try:
+                found = await asyncio.to_thread(self._scan)
+            except OSError as exc:
+                self._loaded.set_result(None)
+                self._loaded = None
+                raise TierUnavailableError(f"disk tier {self.root}: cannot read index: {exc}") from exc
+            for key, size in found:
+                self._index[key] = size
+                self._num_bytes += size
+            doomed = self._evict_for(0)
+            if doomed:
+                await self._run(self._unlink_all, doomed)
+            self._loaded.set_result(None)
+        elif not self._loaded.done():
+            await asyncio.shield(self._loaded)
+
+    def _scan(self) -> list[tuple[StoreKey, int]]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        files.remove_temporaries(self.root)
+        entries = [(st.st_mtime_ns, key, st.st_size) for key, _, st in files.scan(self.root)]
+        entries.sort(key=lambda e: e[0])
+        return [(key, size) for _, key, size in entries]
+
+    async def _run(self, func: Callable[..., T], *args: object) -> T:
+        try:
+            return await asyncio.to_thread(func, *args)
+        except OSError as exc:
+            raise TierUnavailableError(f"disk tier {self.root}: {exc}") from exc
+
+    def _evict_for(self, incoming: int) -> list[StoreKey]:
+        doomed: list[StoreKey] = []
+        while self._index and self._num_bytes + incoming > self.capacity_bytes:
+            key, size = self._index.popitem(last=False)
+            self._num_bytes -= size
+            self.num_evictions += 1
+            doomed.append(key)
+        return doomed
+
+    def _unlink_all(self, keys: list[StoreKey]) -> int:
+        return sum(files.unlink_quiet(files.chunk_path(self.root, k)) for k in keys)
+
+    def _read_all(self, keys: list[StoreKey]) -> list[bytes | None]:
+        return [files.read_or_none(files.chunk_path(self.root, k)) for k in keys]
+
+    def _write_all(self, doomed: list[StoreKey], items: list[tuple[StoreKey, bytes]]) -> None:
+        self._unlink_all(doomed)
+        for key, value in items:
+            files.write_atomic(files.chunk_path(self.root, key), value, fsync=self.fsync)
+
+    async def exists_many(self, keys: Sequence[StoreKey]) -> list[bool]:
+        await self._ensure_loaded()
+        return [k in self._index for k in keys]
+
+    async def get_many(self, keys: Sequence[StoreKey]) -> list[bytes | None]:
+        await self._ensure_loaded()
+        wanted = [k for k in keys if k in self._index]
+        if not wanted:
+            return [None] * len(keys)
+        values = dict(zip(wanted, await self._run(self._read_all, wanted), strict=True))
+        out: list[bytes | None] = []
+        for key in keys:
+            value = values.get(key)
+            if value is None:
+                size = self._index.pop(key, None)
+                if size is not None:
+                    self._num_bytes -= size
+            elif key in self._index:
+                self._index.move_to_end(key)
+            out.append(value)
+        return out
+
+    async def put_many(self, items: Sequence[tuple[StoreKey, bytes]]) -> int:
+        await self._ensure_loaded()
+        accepted: list[tuple[StoreKey, bytes]] = []
+        doomed: list[StoreKey] = []
+        for key, value in items:
+            old = self._index.pop(key, None)
+            if old is not None:
+                self._num_bytes -= old
+            if len(value) > self.capacity_bytes:
+                if old is not None:
+                    doomed.append(key)
+                continue
+            doomed.extend(self._evict_for(len(value)))
+            self._index[key] = len(value)
+            self._num_bytes += len(value)
+            accepted.append((key, value))
+        doomed_set = set(doomed) - {k for k, _ in accepted}
+        try:
+            await self._run(self._write_all, list(doomed_set), accepted)
+        except TierUnavailableError:
+            for key, value in accepted:
+                if self._index.pop(key, None) is not None:
+                    self._num_bytes -= len(value)
+            raise
+        return len(accepted)
+
+    async def delete_many(self, keys: Sequence[StoreKey]) -> int:
+        await self._ensure_loaded()
+        present = []
+        for key in keys:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._num_bytes -= size
+                present.append(key)
+        if present:
+            await self._run(self._unlink_all, present)
+        return len(present)
+
+    async def flush(self, group: str | None = None) -> int:
+        await self._ensure_loaded()
+        doomed = [k for k in self._index if group is None or k.group == group]
+        return await self.delete_many(doomed)
+
+    async def stats(self) -> BackendStats:
+        await self._ensure_loaded()
+        return BackendStats(
+            kind=self.kind,
+            num_chunks=len(self._index),
+            num_bytes=self._num_bytes,
+            capacity_bytes=self.capacity_bytes,
+            num_evictions=self.num_evictions,
+            extra={"root": str(self.root)},
+        )
+
+    def disk_usage_bytes(self) -> int:
+        """Bytes of chunk files actually on disk (blocking; for tests and tools)."""
+        return sum(st.st_size for _, _, st in files.scan(self.root))
+
+    async def aclose(self) -> None:
+        self._index.clear()
+        self._num_bytes = 0
+        self._loaded = None
+
+
+_check: type[Backend] = DiskBackend

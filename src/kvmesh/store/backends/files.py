@@ -1,0 +1,118 @@
+"""File helpers shared by the disk and shared-directory tiers (blocking; run them in a thread).
+
+Directory layout::
+
+    <root>/<group>/<chunk key hex>.kvc       one encoded chunk per file
+    <root>/<group>/.tmp-<host>-<pid>-<rand>  a write in progress (ignored by readers)
+
+Writes go to a unique temporary name in the destination directory and are renamed into place,
+so readers on any host see either no file or a complete one. Readers never trust a file beyond
+what its checksum proves; a torn or truncated file is caught by the codec.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from kvmesh.core.hashing import hex_key
+from kvmesh.store.keys import StoreKey, is_group
+
+SUFFIX = ".kvc"
+TMP_PREFIX = ".tmp-"
+_HOST = socket.gethostname().replace("/", "_")
+
+
+def chunk_path(root: Path, key: StoreKey) -> Path:
+    return root / key.group / f"{hex_key(key.chunk)}{SUFFIX}"
+
+
+def parse_chunk_path(group_dir: Path, name: str) -> StoreKey | None:
+    """The key a file name encodes, or ``None`` for anything that is not a chunk file."""
+    if not name.endswith(SUFFIX):
+        return None
+    try:
+        return StoreKey.parse(f"{group_dir.name}/{name[: -len(SUFFIX)]}")
+    except ValueError:
+        return None
+
+
+def write_atomic(path: Path, data: bytes, *, fsync: bool = False) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f"{TMP_PREFIX}{_HOST}-{os.getpid()}-{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def read_or_none(path: Path) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def unlink_quiet(path: Path) -> bool:
+    """Delete ``path``; ``False`` when it was already gone."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def group_dirs(root: Path, group: str | None = None) -> Iterator[Path]:
+    """Group directories under ``root`` (only ``group`` when given); foreign entries are skipped."""
+    if group is not None:
+        candidate = root / group
+        if candidate.is_dir():
+            yield candidate
+        return
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(root):
+            if entry.is_dir(follow_symlinks=False) and is_group(entry.name):
+                yield Path(entry.path)
+
+
+def scan(root: Path, group: str | None = None) -> Iterator[tuple[StoreKey, Path, os.stat_result]]:
+    """Every chunk file under ``root``: key, path and stat."""
+    for gdir in group_dirs(root, group):
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(gdir):
+                key = parse_chunk_path(gdir, entry.name)
+                if key is None or not entry.is_file(follow_symlinks=False):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    yield key, Path(entry.path), entry.stat(follow_symlinks=False)
+
+
+def remove_temporaries(root: Path, *, older_than_s: float | None = None, now: float = 0.0) -> int:
+    """Delete leftover temporary files (from writers that died); returns how many."""
+    removed = 0
+    for gdir in group_dirs(root):
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(gdir):
+                if not entry.name.startswith(TMP_PREFIX):
+                    continue
+                if older_than_s is not None:
+                    try:
+                        if now - entry.stat().st_mtime < older_than_s:
+                            continue
+                    except FileNotFoundError:
+                        continue
+                removed += unlink_quiet(Path(entry.path))
+    return removed

@@ -1,0 +1,102 @@
+"""Shared-directory tier (``file://``): one directory used by many processes, NFS style.
+
+No process owns the directory, so nothing is cached about it: every call asks the file system.
+Writes are atomic (unique temporary name + rename in the same directory); concurrent writers of
+one key both write the same bytes and the last rename wins. Deleting a file another process is
+reading is safe on POSIX file systems (the reader keeps its open file). Readers rely on the chunk
+checksum, never on the file system, to reject a torn or truncated file. The tier does not enforce
+a byte budget: size the shared directory (or expire it) where it is provisioned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+from kvmesh.errors import TierUnavailableError
+from kvmesh.store.backends import files
+from kvmesh.store.backends.base import Backend, BackendStats
+from kvmesh.store.keys import StoreKey
+
+T = TypeVar("T")
+STALE_TMP_S = 3600.0
+
+
+class SharedDirBackend:
+    """Chunk files in a directory shared by many processes and hosts.
+
+    Args:
+        root: the shared directory (created when missing).
+        fsync: fsync each file before it is renamed into place.
+    """
+
+    kind = "fs"
+
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = False) -> None:
+        self.root = Path(root)
+        self.fsync = fsync
+
+    async def _run(self, func: Callable[..., T], *args: object) -> T:
+        try:
+            return await asyncio.to_thread(func, *args)
+        except OSError as exc:
+            raise TierUnavailableError(f"shared directory {self.root}: {exc}") from exc
+
+    def _path(self, key: StoreKey) -> Path:
+        return files.chunk_path(self.root, key)
+
+    def _exists_all(self, keys: Sequence[StoreKey]) -> list[bool]:
+        return [self._path(k).is_file() for k in keys]
+
+    def _read_all(self, keys: Sequence[StoreKey]) -> list[bytes | None]:
+        return [files.read_or_none(self._path(k)) for k in keys]
+
+    def _write_all(self, items: Sequence[tuple[StoreKey, bytes]]) -> int:
+        for key, value in items:
+            files.write_atomic(self._path(key), value, fsync=self.fsync)
+        return len(items)
+
+    def _unlink_all(self, keys: Sequence[StoreKey]) -> int:
+        return sum(files.unlink_quiet(self._path(k)) for k in keys)
+
+    def _flush(self, group: str | None) -> int:
+        removed = sum(files.unlink_quiet(path) for _, path, _ in files.scan(self.root, group))
+        if group is None:
+            files.remove_temporaries(self.root, older_than_s=STALE_TMP_S, now=time.time())
+        return removed
+
+    def _stats(self) -> BackendStats:
+        num_chunks = num_bytes = 0
+        for _, _, st in files.scan(self.root):
+            num_chunks += 1
+            num_bytes += st.st_size
+        return BackendStats(kind=self.kind, num_chunks=num_chunks, num_bytes=num_bytes,
+                            extra={"root": str(self.root)})
+
+    async def exists_many(self, keys: Sequence[StoreKey]) -> list[bool]:
+        return await self._run(self._exists_all, list(keys))
+
+    async def get_many(self, keys: Sequence[StoreKey]) -> list[bytes | None]:
+        return await self._run(self._read_all, list(keys))
+
+    async def put_many(self, items: Sequence[tuple[StoreKey, bytes]]) -> int:
+        return await self._run(self._write_all, list(items))
+
+    async def delete_many(self, keys: Sequence[StoreKey]) -> int:
+        return await self._run(self._unlink_all, list(keys))
+
+    async def flush(self, group: str | None = None) -> int:
+        return await self._run(self._flush, group)
+
+    async def stats(self) -> BackendStats:
+        return await self._run(self._stats)
+
+    async def aclose(self) -> None:
+        return None
+
+
+_check: type[Backend] = SharedDirBackend

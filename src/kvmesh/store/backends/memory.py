@@ -1,0 +1,98 @@
+"""In-process RAM tier: an LRU of encoded chunks under a byte budget."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvmesh.store.backends.base import Backend, BackendStats
+from kvmesh.store.keys import StoreKey
+
+
+class MemoryBackend:
+    """LRU of encoded chunks, bounded by the sum of their lengths.
+
+    Runs on the caller's event loop with no locks: every method completes without awaiting.
+    A ``get`` or ``put`` makes the key most recently used; inserting evicts from the least
+    recently used end until the new item fits. An item larger than the whole budget is refused.
+
+    Args:
+        capacity_bytes: byte budget (> 0).
+    """
+
+    kind = "memory"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._entries: OrderedDict[StoreKey, bytes] = OrderedDict()
+        self._num_bytes = 0
+        self.num_evictions = 0
+
+    @property
+    def num_bytes(self) -> int:
+        return self._num_bytes
+
+    def keys_lru_order(self) -> list[StoreKey]:
+        """Keys from least to most recently used."""
+        return list(self._entries)
+
+    async def exists_many(self, keys: Sequence[StoreKey]) -> list[bool]:
+        return [k in self._entries for k in keys]
+
+    async def get_many(self, keys: Sequence[StoreKey]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for key in keys:
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+            out.append(value)
+        return out
+
+    async def put_many(self, items: Sequence[tuple[StoreKey, bytes]]) -> int:
+        stored = 0
+        for key, value in items:
+            size = len(value)
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._num_bytes -= len(old)
+            if size > self.capacity_bytes:
+                continue
+            while self._num_bytes + size > self.capacity_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._num_bytes -= len(evicted)
+                self.num_evictions += 1
+            self._entries[key] = bytes(value)
+            self._num_bytes += size
+            stored += 1
+        return stored
+
+    async def delete_many(self, keys: Sequence[StoreKey]) -> int:
+        removed = 0
+        for key in keys:
+            value = self._entries.pop(key, None)
+            if value is not None:
+                self._num_bytes -= len(value)
+                removed += 1
+        return removed
+
+    async def flush(self, group: str | None = None) -> int:
+        doomed = [k for k in self._entries if group is None or k.group == group]
+        return await self.delete_many(doomed)
+
+    async def stats(self) -> BackendStats:
+        return BackendStats(
+            kind=self.kind,
+            num_chunks=len(self._entries),
+            num_bytes=self._num_bytes,
+            capacity_bytes=self.capacity_bytes,
+            num_evictions=self.num_evictions,
+        )
+
+    async def aclose(self) -> None:
+        self._entries.clear()
+        self._num_bytes = 0
+
+
+_check: type[Backend] = MemoryBackend

@@ -1,0 +1,175 @@
+"""Real ZMQ sockets on loopback: replay, gaps, restarts."""
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kvmesh.core.event_transport import ZmqEventPublisher, ZmqEventSubscriber
+from kvmesh.core.events import BlockStored, KVEventBatch
+from kvmesh.core.types import PodId
+
+
+def stored(i: int) -> BlockStored:
+    return BlockStored([i], None, list(range(16)), 16, None, "GPU")
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.seqs: list[int] = []
+        self.hashes: list[int] = []
+        self.resets = 0
+
+    def on_batch(self, pod: PodId, seq: int, batch: KVEventBatch) -> None:
+        self.seqs.append(seq)
+        for ev in batch.events:
+            assert isinstance(ev, BlockStored)
+            self.hashes.append(ev.block_hashes[0])
+
+    def on_reset(self, pod: PodId) -> None:
+        self.resets += 1
+
+
+async def wait_for(pred, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+
+
+class DroppingPublisher(ZmqEventPublisher):
+    """Buffers every batch for replay but does not put seqs in ``drop`` on the wire."""
+
+    drop: frozenset[int] = frozenset()
+
+    def _send(self, batch: KVEventBatch) -> None:
+        seq = self._next_seq
+        if seq in self.drop:
+            from kvmesh.core.events import encode_batch
+
+            self._buffer.append((seq, encode_batch(batch.events, batch.ts, batch.data_parallel_rank)))
+            self._next_seq += 1
+            return
+        super()._send(batch)
+
+
+async def test_history_replayed_on_subscribe_then_live_stream_in_order():
+    pub = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    col = Collector()
+    sub = ZmqEventSubscriber(col.on_batch, col.on_reset)
+    try:
+        for i in range(3):
+            pub.publish([stored(i)])
+        await asyncio.sleep(0.1)
+        sub.add_publisher(PodId("a"), pub.endpoint, pub.replay_endpoint)
+        task = asyncio.create_task(sub.run())
+        await wait_for(lambda: len(col.seqs) == 3)
+        await asyncio.sleep(0.2)  # let the SUB connection settle before publishing live
+        for i in range(3, 6):
+            pub.publish([stored(i)])
+        await wait_for(lambda: len(col.seqs) == 6)
+        assert col.seqs == list(range(6)) and col.hashes == list(range(6))
+        assert col.resets == 0 and sub.stats.num_replayed == 3
+    finally:
+        await sub.aclose()
+        pub.close()
+    await task
+
+
+async def test_dropped_frames_are_recovered_through_replay():
+    pub = DroppingPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    pub.drop = frozenset({3, 4, 5})
+    col = Collector()
+    sub = ZmqEventSubscriber(col.on_batch, col.on_reset)
+    sub.add_publisher(PodId("a"), pub.endpoint, pub.replay_endpoint)
+    task = asyncio.create_task(sub.run())
+    try:
+        await asyncio.sleep(0.3)
+        for i in range(10):
+            pub.publish([stored(i)])
+        await wait_for(lambda: len(col.seqs) == 10)
+        assert col.seqs == list(range(10))
+        assert sub.stats.num_gaps == 1 and sub.stats.num_lost == 0
+    finally:
+        await sub.aclose()
+        pub.close()
+    await task
+
+
+PUBLISHER_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from kvmesh.core.event_transport import ZmqEventPublisher
+    from kvmesh.core.events import BlockStored
+    pub = ZmqEventPublisher(sys.argv[1], sys.argv[2])
+    print("ready", flush=True)
+    time.sleep(0.5)
+    for i in range(int(sys.argv[3])):
+        pub.publish([BlockStored([int(sys.argv[4]) + i], None, list(range(16)), 16)])
+    time.sleep(60)
+    """
+)
+
+
+def free_tcp_endpoint() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def start_publisher(endpoint: str, replay: str, count: int, first: int) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PUBLISHER_SCRIPT, endpoint, replay, str(count), str(first)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+@pytest.mark.timeout(60)
+async def test_killed_and_restarted_publisher_is_detected_as_reset():
+    endpoint, replay = free_tcp_endpoint(), free_tcp_endpoint()
+    col = Collector()
+    sub = ZmqEventSubscriber(col.on_batch, col.on_reset)
+    sub.add_publisher(PodId("a"), endpoint, replay)
+    task = asyncio.create_task(sub.run())
+    first = start_publisher(endpoint, replay, 5, 100)
+    try:
+        await wait_for(lambda: len(col.seqs) == 5, 10)
+        first.kill()
+        first.wait()
+        second = start_publisher(endpoint, replay, 2, 200)
+        try:
+            await wait_for(lambda: col.resets == 1 and len(col.seqs) == 7, 10)
+        finally:
+            second.kill()
+            second.wait()
+        assert col.seqs == [0, 1, 2, 3, 4, 0, 1]
+        assert col.hashes == [100, 101, 102, 103, 104, 200, 201]
+        assert sub.stats.num_resets == 1
+    finally:
+        first.kill()
+        await sub.aclose()
+    await task
+
+
+def test_publish_never_blocks_when_queue_is_full():
+    pub = ZmqEventPublisher("tcp://127.0.0.1:0", max_queue=1)
+    try:
+        for i in range(1000):
+            pub.publish([stored(i)])
+        assert pub.num_dropped + pub.num_published <= 1000
+        assert pub.num_dropped > 0
+    finally:
+        pub.close()
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="positive"):
+        ZmqEventPublisher("tcp://127.0.0.1:0", buffer_steps=0)
