@@ -291,7 +291,10 @@ class CostModel:
         flops += sum(self.decode_flops(c) for c in decode_contexts)
         kv_read = sum(decode_contexts) + sum(e for _, e in prefills)
         bytes_moved = m.weight_bytes + kv_read * m.kv_bytes_per_token
-        return max(flops / self.flops_per_second, bytes_moved / self.bytes_per_second) + self.preset.step_overhead
+        return (
+            max(flops / self.flops_per_second, bytes_moved / self.bytes_per_second)
+            + self.preset.step_overhead
+        )
 
     def kv_load_time(self, num_tokens: int, tier: str) -> float:
         """Seconds to bring ``num_tokens`` tokens of KV from ``tier`` into device memory (0 for "GPU")."""

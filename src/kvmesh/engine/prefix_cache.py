@@ -259,7 +259,9 @@ class PrefixCache:
                     lo = i * bs - kv_start
                     assert lo >= 0, f"kv_start={kv_start} is past block {i}"
                     block_kv = np.ascontiguousarray(kv[:, :, :, lo : lo + bs])
-                block = _Block(key, keys[i - 1] if i else None, list(token_ids[i * bs : (i + 1) * bs]), 1, block_kv)
+                block = _Block(
+                    key, keys[i - 1] if i else None, list(token_ids[i * bs : (i + 1) * bs]), 1, block_kv
+                )
                 self._blocks[key] = block
                 run.append(block)
             alloc.keys.append(key)

@@ -218,9 +218,7 @@ class InstrumentedIndex:
     def __init__(self, inner: BlockIndex, registry: CollectorRegistry | None = None) -> None:
         self.inner = inner
         self.registry = registry if registry is not None else CollectorRegistry()
-        self._ops = Counter(
-            "kvmesh_router_index_ops", "Index operations", ["op"], registry=self.registry
-        )
+        self._ops = Counter("kvmesh_router_index_ops", "Index operations", ["op"], registry=self.registry)
         self._keys = Counter(
             "kvmesh_router_index_keys", "Keys passed to index operations", ["op"], registry=self.registry
         )

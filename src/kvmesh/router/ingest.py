@@ -203,7 +203,11 @@ class EventApplier:
             self._overflow(pod, blocks)
 
     def _add_tier(
-        self, pod: PodId, blocks: dict[ExternalBlockHash, _Entry], hashes: Sequence[ExternalBlockHash], bits: int
+        self,
+        pod: PodId,
+        blocks: dict[ExternalBlockHash, _Entry],
+        hashes: Sequence[ExternalBlockHash],
+        bits: int,
     ) -> None:
         keys: list[BlockKey] = []
         for h in hashes:

@@ -24,7 +24,9 @@ DEFAULT_TIER_WEIGHTS: dict[Medium, float] = {
 _HASH_GROUP = 8
 
 
-def iter_block_keys(hasher: BlockHasher, tokens: Sequence[int], group: int = _HASH_GROUP) -> Iterator[BlockKey]:
+def iter_block_keys(
+    hasher: BlockHasher, tokens: Sequence[int], group: int = _HASH_GROUP
+) -> Iterator[BlockKey]:
     """Yield the chained keys of ``tokens``' full blocks, hashing ``group`` blocks at a time."""
     step = hasher.block_size * group
     parent: BlockKey | None = None

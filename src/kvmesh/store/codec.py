@@ -251,7 +251,9 @@ class ChunkCodec:
         name = kv_dtype_name(kv, dtype)
         if self.codec is Codec.RAW:
             payload_parts: list[bytes | memoryview] = [
-                memoryview(np.ascontiguousarray(kv, dtype=_STORAGE_DTYPES[name])).cast("B")
+                np.ascontiguousarray(
+                    kv.view(_STORAGE_DTYPES[name]) if name == BFLOAT16 else kv, dtype=_STORAGE_DTYPES[name]
+                ).data.cast("B")
             ]
         else:
             scales, codes = _quantize(kv, name, self.codec)

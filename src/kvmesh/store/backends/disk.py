@@ -5,8 +5,9 @@ At start the index is rebuilt from the directory (oldest modification time first
 left by an interrupted write are deleted, and files that are not chunk files are ignored, so a
 restart keeps every complete chunk. File I/O runs in worker threads, never on the event loop.
 
-Space is reserved in the index before a write starts: evictions are decided first, so the bytes on
-disk never exceed the budget, even with writes in flight.
+Space is reserved before a write starts and evictions are decided first, so the bytes on disk never
+exceed the budget, even with writes in flight. A key enters the index only once its file is in
+place, so readers never see a key whose file is still being written.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class DiskBackend:
         self.num_evictions = 0
         self._index: OrderedDict[StoreKey, int] = OrderedDict()
         self._num_bytes = 0
+        self._reserved = 0
         self._loaded: asyncio.Future[None] | None = None
 
     @property
@@ -118,7 +120,7 @@ class DiskBackend:
         out: list[bytes | None] = []
         for key in keys:
             value = values.get(key)
-            if value is None:
+            if value is None and key in values:
                 size = self._index.pop(key, None)
                 if size is not None:
                     self._num_bytes -= size
@@ -132,26 +134,39 @@ class DiskBackend:
         accepted: list[tuple[StoreKey, bytes]] = []
         doomed: list[StoreKey] = []
         for key, value in items:
+            size = len(value)
             old = self._index.pop(key, None)
             if old is not None:
                 self._num_bytes -= old
-            if len(value) > self.capacity_bytes:
-                if old is not None:
-                    doomed.append(key)
+                doomed.append(key)
+            doomed.extend(self._evict_for(size + self._reserved))
+            if self._num_bytes + self._reserved + size > self.capacity_bytes:
                 continue
-            doomed.extend(self._evict_for(len(value)))
+            self._reserved += size
+            accepted.append((key, value))
+        written = {k for k, _ in accepted}
+        reserved = sum(len(v) for _, v in accepted)
+        try:
+            await self._run(self._write_all, [k for k in doomed if k not in written], accepted)
+        except TierUnavailableError:
+            await asyncio.to_thread(self._unlink_quietly, [k for k, _ in accepted])
+            raise
+        finally:
+            self._reserved -= reserved
+        for key, value in accepted:
+            old = self._index.pop(key, None)
+            if old is not None:
+                self._num_bytes -= old
             self._index[key] = len(value)
             self._num_bytes += len(value)
-            accepted.append((key, value))
-        doomed_set = set(doomed) - {k for k, _ in accepted}
-        try:
-            await self._run(self._write_all, list(doomed_set), accepted)
-        except TierUnavailableError:
-            for key, value in accepted:
-                if self._index.pop(key, None) is not None:
-                    self._num_bytes -= len(value)
-            raise
         return len(accepted)
+
+    def _unlink_quietly(self, keys: list[StoreKey]) -> None:
+        for key in keys:
+            try:
+                files.unlink_quiet(files.chunk_path(self.root, key))
+            except OSError:
+                continue
 
     async def delete_many(self, keys: Sequence[StoreKey]) -> int:
         await self._ensure_loaded()

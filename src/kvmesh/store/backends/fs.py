@@ -74,8 +74,9 @@ class SharedDirBackend:
         for _, _, st in files.scan(self.root):
             num_chunks += 1
             num_bytes += st.st_size
-        return BackendStats(kind=self.kind, num_chunks=num_chunks, num_bytes=num_bytes,
-                            extra={"root": str(self.root)})
+        return BackendStats(
+            kind=self.kind, num_chunks=num_chunks, num_bytes=num_bytes, extra={"root": str(self.root)}
+        )
 
     async def exists_many(self, keys: Sequence[StoreKey]) -> list[bool]:
         return await self._run(self._exists_all, list(keys))

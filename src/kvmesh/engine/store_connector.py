@@ -1,0 +1,103 @@
+"""The engine's view of the KV store: longest stored prefix, load it, write new chunks back.
+
+The scheduler talks to a :class:`PrefixStore`; :class:`NullPrefixStore` (no store) is the default and
+:class:`CacheEngineStore` adapts :class:`kvmesh.store.cache_engine.KVCacheEngine`. A store that is
+slow or down answers with misses (the store's own contract), so the engine recomputes instead of
+failing the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvmesh.core.hashing import Namespace
+from kvmesh.core.types import Medium
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedPrefix:
+    """KV of a stored prefix: ``kv`` is (L, 2, H, num_tokens, D); ``tier`` names where it came from."""
+
+    num_tokens: int
+    kv: np.ndarray
+    tier: str
+
+
+class PrefixStore(Protocol):
+    """Token-level store access for one model and KV layout."""
+
+    chunk_size: int
+
+    async def lookup(self, tokens: list[int], tenant: str) -> int:
+        """Leading tokens of ``tokens`` the store holds (a multiple of ``chunk_size``)."""
+        ...
+
+    async def retrieve(self, tokens: list[int], tenant: str) -> LoadedPrefix | None:
+        """Load the longest stored prefix of ``tokens``; ``None`` on a miss."""
+        ...
+
+    async def store(self, tokens: list[int], tenant: str, kv: np.ndarray, skip_tokens: int = 0) -> None:
+        """Write the chunks of ``tokens`` (KV (L, 2, H, len(tokens), D)) past ``skip_tokens`` the store lacks."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class NullPrefixStore:
+    """No store: every lookup misses and writes go nowhere."""
+
+    chunk_size = 256
+
+    async def lookup(self, tokens: list[int], tenant: str) -> int:
+        return 0
+
+    async def retrieve(self, tokens: list[int], tenant: str) -> LoadedPrefix | None:
+        return None
+
+    async def store(self, tokens: list[int], tenant: str, kv: np.ndarray, skip_tokens: int = 0) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+class CacheEngineStore:
+    """Adapter over ``KVCacheEngine`` for one base namespace; tenants salt it.
+
+    Store tier names ("cpu", "disk", "redis", "fs") are reported as media (CPU, DISK, SHARED).
+
+    Args:
+        engine: a ``kvmesh.store.cache_engine.KVCacheEngine``.
+        namespace: the model's namespace (model, revision); the KV format is added by the store.
+    """
+
+    def __init__(self, engine: Any, namespace: Namespace) -> None:
+        self._engine = engine
+        self._namespace = namespace
+        self.chunk_size: int = int(engine.chunk_size)
+
+    def _ns(self, tenant: str) -> Namespace:
+        return self._namespace.for_tenant(tenant)
+
+    async def lookup(self, tokens: list[int], tenant: str) -> int:
+        return int(await self._engine.lookup(tokens, self._ns(tenant)))
+
+    async def retrieve(self, tokens: list[int], tenant: str) -> LoadedPrefix | None:
+        result = await self._engine.retrieve(tokens, self._ns(tenant))
+        if result is None or result.num_tokens <= 0 or result.kv is None:
+            return None
+        return LoadedPrefix(int(result.num_tokens), result.kv, Medium.parse(result.tier).value)
+
+    async def store(self, tokens: list[int], tenant: str, kv: np.ndarray, skip_tokens: int = 0) -> None:
+        await self._engine.store(tokens, self._ns(tenant), kv, skip_tokens=skip_tokens)
+
+    async def aclose(self) -> None:
+        close = getattr(self._engine, "aclose", None)
+        if close is not None:
+            await close()
+
+
+_null: PrefixStore = NullPrefixStore()

@@ -1,0 +1,334 @@
+"""TorchRunner: a ModelRunner that computes real KV with a Hugging Face causal LM (CPU or CUDA).
+
+Each sequence owns a transformers ``DynamicCache`` (in ``Sequence.runner_state``). A sequence's first
+prefill chunk may start after a cached prefix: its KV, shaped (L, 2, H, T, D), becomes the initial
+cache content and only ``token_ids[start:end]`` is run through the model::
+
+    token_ids   [ p0 p1 ... p(start-1) | p(start) ... p(end-1) | ... ]
+                  └── cached_kv ───────┘ └── computed now ─────┘
+    positions     0 ........ start-1     start ....... end-1
+
+Later chunks continue from the cache; a chunk that ends at ``len(token_ids)`` samples the next token
+and reports its logits row. Decodes run one token per sequence.
+
+Prefix cap: the last known token is always recomputed, because its logits are needed to sample. A
+first chunk whose ``start`` reaches ``len(token_ids)`` (the whole prompt was cached) is moved back to
+``len(token_ids) - 1`` and its ``cached_kv`` trimmed to match. Callers should cap cache hits at
+``len(prompt) - 1`` tokens themselves; the runner enforces it either way.
+
+Threading: ``execute`` runs the step on one dedicated worker thread, so steps never overlap and the
+event loop stays free. ``export_kv`` and ``free`` run on the caller's thread; call them only for
+sequences that are not part of the step in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvmesh.core.models import resolve_model
+from kvmesh.core.tokens import Tokenizer
+from kvmesh.engine.runner import (
+    KVLayout,
+    ModelRunner,
+    PrefillChunk,
+    RunnerInfo,
+    Sequence,
+    StepOutput,
+    StepPlan,
+)
+from kvmesh.engine.sampling import make_generator, sample_token
+from kvmesh.errors import ModelLoadError
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+"""Model dtypes by flag value. KV leaves the runner as float32 for bfloat16 models (numpy has no
+bfloat16; the widening is exact), as float16 for float16 models."""
+
+
+@dataclass(slots=True)
+class _SeqState:
+    cache: Any
+    """transformers ``DynamicCache``; its length is the sequence's ``num_computed_tokens``."""
+    generator: torch.Generator | None
+
+
+class TorchRunner:
+    """Runs scheduler steps on a transformers causal LM.
+
+    Build one with :meth:`load`; the constructor takes an already loaded model for tests that bring
+    their own.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        model_name: str,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int | None = None,
+        tokenizer: Tokenizer | None = None,
+        keep_decode_logits: bool = False,
+    ) -> None:
+        """Wrap ``model`` (already on its device, in eval mode).
+
+        Args:
+            model: a transformers ``*ForCausalLM`` whose cache is a ``DynamicCache``.
+            model_name: served name, reported in ``info``.
+            eos_token_ids: ids that end generation (for ``info``; stopping is the scheduler's job).
+            max_model_len: longest sequence served; defaults to ``max_position_embeddings``.
+            tokenizer: kept as ``self.tokenizer`` for the server; the runner itself only sees ids.
+            keep_decode_logits: also report logits rows for decode tokens (prefills always do).
+        """
+        config = model.config
+        self.model = model
+        self.config = config
+        self.device = next(model.parameters()).device
+        self.dtype: torch.dtype = next(model.parameters()).dtype
+        self.kv_dtype = torch.float16 if self.dtype == torch.float16 else torch.float32
+        self.tokenizer = tokenizer
+        self.keep_decode_logits = keep_decode_logits
+        positions = int(getattr(config, "max_position_embeddings", 0) or 0)
+        limit = max_model_len or positions
+        if positions and limit > positions:
+            raise ValueError(f"max_model_len {limit} exceeds the model's {positions} positions")
+        if limit <= 0:
+            raise ValueError("max_model_len is unknown for this model; pass it explicitly")
+        num_heads = int(config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
+        self.info = RunnerInfo(
+            model_name=model_name,
+            max_model_len=limit,
+            vocab_size=int(config.vocab_size),
+            eos_token_ids=tuple(eos_token_ids),
+            kv=KVLayout(
+                num_layers=int(config.num_hidden_layers),
+                num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
+                head_dim=head_dim,
+                dtype="float16" if self.kv_dtype == torch.float16 else "float32",
+            ),
+            device=str(self.device),
+        )
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmesh-torch")
+
+    @classmethod
+    def load(
+        cls,
+        spec: str | None = None,
+        *,
+        device: str = "cpu",
+        dtype: str | None = None,
+        max_model_len: int | None = None,
+        num_threads: int | None = None,
+        keep_decode_logits: bool = False,
+    ) -> TorchRunner:
+        """Resolve ``spec`` (see :func:`kvmesh.core.models.resolve_model`) and load it.
+
+        Args:
+            spec: model spec; ``None`` is SmolLM2-135M-Instruct.
+            device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+            dtype: one of :data:`DTYPES`; default float32 on CPU, bfloat16 on CUDA.
+            max_model_len: cap on prompt + output tokens.
+            num_threads: if given, ``torch.set_num_threads`` (process-wide) for CPU inference.
+            keep_decode_logits: see ``__init__``.
+
+        Raises:
+            ModelLoadError: files missing or unreadable, or CUDA requested but unavailable.
+            ValueError: unknown dtype.
+        """
+        dtype_name = dtype or ("float32" if device == "cpu" else "bfloat16")
+        if dtype_name not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype_name!r}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        files = resolve_model(spec)
+        tokenizer = Tokenizer.from_dir(files.path, name=files.name)
+        try:
+            from transformers import AutoModelForCausalLM
+
+            model: Any = AutoModelForCausalLM.from_pretrained(
+                str(files.path), dtype=DTYPES[dtype_name], local_files_only=True
+            )
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"cannot load model weights from {files.path}: {exc}") from exc
+        model.to(device)
+        model.eval()
+        return cls(
+            model,
+            model_name=files.name,
+            eos_token_ids=tokenizer.eos_token_ids,
+            max_model_len=max_model_len,
+            tokenizer=tokenizer,
+            keep_decode_logits=keep_decode_logits,
+        )
+
+    async def execute(self, plan: StepPlan) -> StepOutput:
+        """Run one step on the worker thread; see :meth:`execute_sync`."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._worker, self.execute_sync, plan)
+
+    def execute_sync(self, plan: StepPlan) -> StepOutput:
+        """Run one step on the calling thread (benchmarks and tests; the engine uses ``execute``).
+
+        Every chunk and decode is validated before any is run, so a bad plan changes nothing.
+
+        Raises:
+            ValueError: a chunk does not continue its sequence's cache, a decode has no cache or
+                nothing to compute, ``cached_kv`` has the wrong shape, or a sequence would exceed
+                ``max_model_len``.
+        """
+        prepared = [self._prepare_prefill(chunk) for chunk in plan.prefills]
+        for seq in plan.decodes:
+            self._check_decode(seq)
+        out = StepOutput()
+        with torch.inference_mode():
+            for chunk, (start, end, kv) in zip(plan.prefills, prepared, strict=True):
+                self._run_prefill(chunk.seq, start, end, kv, out)
+            for seq in plan.decodes:
+                self._run_decode(seq, out)
+        return out
+
+    def export_kv(self, seq: Sequence, start: int, end: int) -> np.ndarray | None:
+        """KV of ``seq.token_ids[start:end]`` as a new (L, 2, H, end-start, D) array.
+
+        Returns:
+            ``None`` when the sequence has no runner state (never prefilled, or freed).
+
+        Raises:
+            ValueError: the range is empty or reaches past the computed tokens.
+        """
+        state = seq.runner_state
+        if not isinstance(state, _SeqState):
+            return None
+        computed = state.cache.get_seq_length()
+        if not 0 <= start < end <= computed:
+            raise ValueError(f"export_kv range [{start}, {end}) outside the {computed} computed tokens")
+        per_layer = [
+            torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end]))
+            for layer in state.cache.layers
+        ]
+        kv = torch.stack(per_layer).to(device="cpu", dtype=self.kv_dtype)
+        return np.ascontiguousarray(kv.numpy())
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's cache and random stream."""
+        seq.runner_state = None
+
+    def close(self) -> None:
+        """Stop the worker thread (waits for a step in flight)."""
+        self._worker.shutdown(wait=True)
+
+    # -- step internals (worker thread) ------------------------------------------------------
+
+    def _prepare_prefill(self, chunk: PrefillChunk) -> tuple[int, int, np.ndarray | None]:
+        """Validate a chunk; return the effective (start, end, prefix kv) after the prefix cap."""
+        seq = chunk.seq
+        total = len(seq.token_ids)
+        start, end = chunk.start, chunk.end
+        if end > total:
+            raise ValueError(f"{seq.request_id}: chunk end {end} beyond its {total} tokens")
+        if end > self.info.max_model_len:
+            raise ValueError(f"{seq.request_id}: {end} tokens exceed max_model_len {self.info.max_model_len}")
+        if isinstance(seq.runner_state, _SeqState):
+            computed = seq.runner_state.cache.get_seq_length()
+            if chunk.cached_kv is not None:
+                raise ValueError(f"{seq.request_id}: cached_kv given on a continuation chunk")
+            if start != computed:
+                raise ValueError(
+                    f"{seq.request_id}: chunk starts at {start} but {computed} tokens are computed"
+                )
+            if end <= start:
+                raise ValueError(f"{seq.request_id}: empty chunk [{start}, {end})")
+            return start, end, None
+        if start >= total:  # the whole sequence was cached: recompute its last token
+            start, end = total - 1, total
+        if end <= start:
+            raise ValueError(f"{seq.request_id}: empty chunk [{start}, {end})")
+        if start == 0:
+            return 0, end, None
+        kv = chunk.cached_kv
+        if kv is None:
+            raise ValueError(f"{seq.request_id}: first chunk starts at {start} without cached_kv")
+        layout = self.info.kv
+        expected = (layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
+        if kv.ndim != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) != expected:
+            raise ValueError(
+                f"{seq.request_id}: cached_kv shape {kv.shape} does not match the model's "
+                f"(L, 2, H, T, D) = ({expected[0]}, 2, {expected[2]}, T, {expected[3]})"
+            )
+        if kv.shape[3] < start:
+            raise ValueError(
+                f"{seq.request_id}: cached_kv holds {kv.shape[3]} tokens, chunk starts at {start}"
+            )
+        return start, end, kv[:, :, :, :start]
+
+    def _check_decode(self, seq: Sequence) -> None:
+        state = seq.runner_state
+        if not isinstance(state, _SeqState):
+            raise ValueError(f"{seq.request_id}: decode before its prefill")
+        computed = state.cache.get_seq_length()
+        if computed >= len(seq.token_ids):
+            raise ValueError(f"{seq.request_id}: decode with nothing to compute ({computed} tokens computed)")
+        if len(seq.token_ids) > self.info.max_model_len:
+            raise ValueError(
+                f"{seq.request_id}: {len(seq.token_ids)} tokens exceed max_model_len {self.info.max_model_len}"
+            )
+
+    def _new_state(self, seq: Sequence, kv: np.ndarray | None) -> _SeqState:
+        from transformers import DynamicCache
+
+        if kv is None:
+            cache = DynamicCache(config=self.config)
+        else:
+            if not kv.flags.writeable:
+                kv = kv.copy()  # torch refuses to wrap read-only memory (e.g. np.frombuffer of bytes)
+            layers = [
+                (self._to_device(kv[layer, 0]), self._to_device(kv[layer, 1])) for layer in range(kv.shape[0])
+            ]
+            cache = DynamicCache(ddp_cache_data=layers, config=self.config)
+        return _SeqState(cache=cache, generator=make_generator(seq.sampling))
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array).to(device=self.device, dtype=self.dtype)
+        return tensor.unsqueeze(0).contiguous()
+
+    def _run_prefill(
+        self, seq: Sequence, start: int, end: int, kv: np.ndarray | None, out: StepOutput
+    ) -> None:
+        state = seq.runner_state
+        if not isinstance(state, _SeqState):
+            state = self._new_state(seq, kv)
+            seq.runner_state = state
+        logits = self._forward(state, seq.token_ids[start:end])
+        seq.num_computed_tokens = end
+        if end == len(seq.token_ids):
+            out.sampled[seq.request_id] = sample_token(logits, seq.sampling, state.generator)
+            out.last_logits[seq.request_id] = logits.to(device="cpu", dtype=torch.float32).numpy()
+
+    def _run_decode(self, seq: Sequence, out: StepOutput) -> None:
+        state = seq.runner_state
+        assert isinstance(state, _SeqState), "decode validated in execute_sync"
+        logits = self._forward(state, seq.token_ids[state.cache.get_seq_length() :])
+        seq.num_computed_tokens = len(seq.token_ids)
+        out.sampled[seq.request_id] = sample_token(logits, seq.sampling, state.generator)
+        if self.keep_decode_logits:
+            out.last_logits[seq.request_id] = logits.to(device="cpu", dtype=torch.float32).numpy()
+
+    def _forward(self, state: _SeqState, token_ids: list[int]) -> torch.Tensor:
+        """Append ``token_ids`` to the cache; return the last position's logits row."""
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        result = self.model(input_ids=ids, past_key_values=state.cache, use_cache=True, logits_to_keep=1)
+        return result.logits[0, -1]
+
+
+_conforms: type[ModelRunner] = TorchRunner

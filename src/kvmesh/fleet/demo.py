@@ -1,0 +1,202 @@
+"""``kvmesh demo``: what a shared cache plus cache-aware routing does to a fleet, on one machine.
+
+Part 1, a real model. SmolLM2-135M replicas on CPU serve a shared-prefix workload twice:
+
+- baseline: round-robin routing, each replica with only its own prefix cache;
+- kvmesh: precise (KV-event) routing, plus a shared-directory store every replica reads and writes.
+
+Part 2, an emulated llm-d fleet: 8 pods with Qwen3-32B TP2 H100 cost models serve llm-d's
+73-capacity workload, scaled to this machine (see :mod:`kvmesh.bench.presets`), once per scheduler:
+random, load, approximate, precise.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kvmesh.bench.compare import compare_policies, run_on_fleet
+from kvmesh.bench.presets import llmd_73_scaled
+from kvmesh.bench.report import compare_table, plot_stage_curves, plot_ttft_cdf, ratio_lines, write_json
+from kvmesh.bench.runner import RunOptions, RunResult
+from kvmesh.bench.workloads import SharedPrefixWorkload
+from kvmesh.fleet.launcher import Fleet, FleetConfig, SharedTier
+
+EMULATED_POLICIES = ("random", "load", "approximate", "precise")
+
+
+@dataclass(slots=True)
+class DemoOptions:
+    quick: bool = False
+    replicas: int | None = None
+    real: bool = True
+    emulated: bool = True
+    run_dir: Path | None = None
+    json_path: Path | None = None
+    plot_dir: Path | None = None
+    progress: bool = True
+
+
+def real_workload(quick: bool, num_replicas: int) -> SharedPrefixWorkload:
+    """The real-model workload: a few groups sharing 512-token system prompts, every prompt twice.
+
+    The number of prompts is chosen coprime with the replica count, so round-robin sends a repeated
+    prompt to a different replica than its first occurrence (no accidental per-replica repeat hits).
+    """
+    groups, per_group = (4, 4) if quick else (6, 4)
+    num_prompts = groups * per_group
+    while num_prompts % num_replicas == 0 or (num_replicas % 2 == 0 and num_prompts % 2 == 0):
+        per_group += 1
+        num_prompts = groups * per_group
+    return SharedPrefixWorkload(
+        num_groups=groups,
+        num_prompts_per_group=per_group,
+        system_prompt_len=512,
+        question_len=32,
+        output_len=8,
+        num_requests=2 * num_prompts,
+        vocab_size=49_152,
+        seed=1,
+        name="demo-shared-prefix",
+    )
+
+
+def _real_table(runs: dict[str, RunResult]) -> Table:
+    table = Table(title="real model: SmolLM2-135M replicas on CPU")
+    for col in (
+        "setup",
+        "hit rate",
+        "of reusable",
+        "TTFT p50 s",
+        "TTFT p90 s",
+        "req/s",
+        "out tok/s",
+        "failed",
+    ):
+        table.add_column(col, justify="right")
+    for label, run in runs.items():
+        s = run.summary
+        table.add_row(
+            label,
+            f"{s.hit_rate:.3f}",
+            f"{s.reusable_hit_rate:.3f}",
+            f"{s.ttft.median:.3f}",
+            f"{s.ttft.p90:.3f}",
+            f"{s.request_throughput:.2f}",
+            f"{s.output_throughput:.1f}",
+            str(s.num_failed),
+        )
+    return table
+
+
+def explain_real(base: RunResult, best: RunResult, num_replicas: int) -> str:
+    """One paragraph on what the real-model numbers mean."""
+    b, k = base.summary, best.summary
+    ttft = b.ttft.p90 / k.ttft.p90 if k.ttft.p90 else float("inf")
+    thr = k.request_throughput / b.request_throughput if b.request_throughput else float("inf")
+    ideal = k.reusable_tokens / k.prompt_tokens if k.prompt_tokens else 0.0
+    return (
+        f"An ideal fleet-wide cache could have served {ideal:.0%} of the prompt tokens. Round-robin spread each "
+        f"group's system prompt over all {num_replicas} replicas, so each replica recomputed what another had "
+        f"already computed: it served {b.reusable_hit_rate:.0%} of the reusable tokens (1/{num_replicas} = "
+        f"{1 / num_replicas:.0%}). Precise routing sent each prompt to the replica whose KV events showed its "
+        f"prefix, and the shared directory let any replica load chunks another had written: {k.reusable_hit_rate:.0%} "
+        f"of the reusable tokens came from cache, p90 TTFT fell {ttft:.1f}x and throughput rose {thr:.2f}x."
+    )
+
+
+async def run_real(options: DemoOptions, console: Console) -> dict[str, RunResult]:
+    """Part 1: round-robin without sharing vs precise routing with the shared-directory store."""
+    n = options.replicas or (3 if options.quick else 4)
+    workload = real_workload(options.quick, n)
+    base_dir = options.run_dir or Path(f"/tmp/kvmesh-demo-{int(time.time())}")
+    console.rule(f"[bold]1. real model: {n} SmolLM2-135M replicas, shared-prefix workload")
+    console.print(
+        f"[dim]{workload.num_groups} groups × {workload.num_prompts_per_group} prompts, 512-token system prompt + "
+        f"32-token question, 8 output tokens; every prompt sent twice ({workload.num_requests} requests), "
+        f"{n} concurrent clients[/dim]"
+    )
+    runs: dict[str, RunResult] = {}
+    setups: tuple[tuple[str, str, SharedTier], ...] = (
+        ("round-robin, per-replica caches", "round-robin", "none"),
+        ("precise + shared store", "precise", "dir"),
+    )
+    for label, policy, shared in setups:
+        config = FleetConfig(
+            num_engines=n,
+            model="smollm2",
+            shared=shared,
+            policy=policy,
+            run_dir=base_dir / policy,
+        )
+        with console.status(f"starting {n} SmolLM2 engines + router ({label}) ..."):
+            fleet = Fleet(config)
+            await fleet.start()
+        try:
+            opts = RunOptions(
+                base_url=fleet.url, model="", concurrency=n, progress=options.progress, label=label
+            )
+            runs[label] = await run_on_fleet(fleet, workload, opts)
+        finally:
+            await fleet.aclose()
+    console.print(_real_table(runs))
+    base, best = runs[setups[0][0]], runs[setups[1][0]]
+    console.print(explain_real(base, best, n))
+    return runs
+
+
+async def run_emulated(options: DemoOptions, console: Console) -> dict[str, RunResult]:
+    """Part 2: llm-d's four schedulers on an emulated 8-pod Qwen3-32B fleet, scaled to this machine."""
+    scaled = llmd_73_scaled(quick=options.quick)
+    console.rule("[bold]2. emulated llm-d fleet: 8 pods Qwen3-32B TP2 H100, four schedulers")
+    console.print(f"[dim]{scaled.description}[/dim]")
+    engine_args = (
+        ["--kv-capacity-tokens", str(scaled.kv_capacity_tokens)] if scaled.kv_capacity_tokens else []
+    )
+    base_dir = options.run_dir or Path(f"/tmp/kvmesh-demo-{int(time.time())}")
+    config = FleetConfig(
+        num_engines=scaled.num_engines,
+        model="smollm2",
+        emulate=scaled.emulate,
+        shared="none",
+        policy=EMULATED_POLICIES[0],
+        engine_args=engine_args,
+        run_dir=base_dir / "emulated",
+    )
+    with console.status("starting 8 emulated engines + router ..."):
+        fleet = Fleet(config)
+        await fleet.start()
+    try:
+        opts = RunOptions(base_url=fleet.url, model="", progress=options.progress, label="emulated")
+        runs = await compare_policies(fleet, scaled.workload, EMULATED_POLICIES, opts)
+    finally:
+        await fleet.aclose()
+    console.print(compare_table(runs, title="emulated llm-d 73-capacity (scaled): scheduler comparison"))
+    for line in ratio_lines(runs, "precise", ["random", "load", "approximate"]):
+        console.print(line)
+    return runs
+
+
+async def run_demo(options: DemoOptions, console: Console) -> int:
+    """Run both parts; returns 0 when every run completed requests."""
+    t0 = time.monotonic()
+    all_runs: dict[str, dict[str, RunResult]] = {}
+    if options.real:
+        all_runs["real"] = await run_real(options, console)
+    if options.emulated:
+        all_runs["emulated"] = await run_emulated(options, console)
+    if options.json_path is not None:
+        for part, runs in all_runs.items():
+            write_json(options.json_path.with_name(f"{options.json_path.stem}-{part}.json"), runs)
+    if options.plot_dir is not None:
+        for part, runs in all_runs.items():
+            plot_ttft_cdf(runs, options.plot_dir / f"demo_{part}_ttft_cdf.png", title=f"TTFT CDF ({part})")
+        if "emulated" in all_runs:
+            plot_stage_curves(all_runs["emulated"], options.plot_dir / "demo_emulated_vs_qps.png")
+    console.print(f"[dim]demo finished in {time.monotonic() - t0:.0f} s[/dim]")
+    ok = all(r.summary.num_ok > 0 for runs in all_runs.values() for r in runs.values())
+    return 0 if ok else 1

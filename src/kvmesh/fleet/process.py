@@ -1,0 +1,191 @@
+"""Child processes of a fleet: started in their own process group, logged to a file, stopped for sure.
+
+Each child leads a new session (``start_new_session``), so stopping it signals its whole process
+group: SIGTERM first, SIGKILL after a grace period. On Linux a child also receives SIGTERM when the
+thread that started it dies (``PR_SET_PDEATHSIG``), so a killed launcher leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+import aiohttp
+
+from kvmesh.errors import KVMeshError
+
+_PR_SET_PDEATHSIG = 1
+
+
+class FleetError(KVMeshError):
+    """A fleet process failed to start, exited early, or never became healthy."""
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports the OS reports free right now (all held open until all are chosen)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ManagedProcess:
+    """One child process with its log file.
+
+    Args:
+        name: short name used in logs and errors (``engine-0``, ``router``, ``redis``).
+        argv: the command.
+        log_path: stdout and stderr go here (appended).
+    """
+
+    def __init__(
+        self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.env = env
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.poll() if self._proc is not None else None
+
+    def start(self) -> None:
+        """Spawn the process (must be called from the thread that will outlive it)."""
+        assert self._proc is None, f"{self.name} started twice"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            log.write(f"$ {' '.join(self.argv)}\n".encode())
+            log.flush()
+            try:
+                self._proc = subprocess.Popen(
+                    self.argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.env,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
+            except OSError as exc:
+                raise FleetError(f"cannot start {self.name} ({self.argv[0]}): {exc}") from exc
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-num_lines:])
+
+    def check_alive(self) -> None:
+        """Raise :class:`FleetError` with the log tail when the process has exited."""
+        code = self.returncode
+        if code is not None:
+            raise FleetError(f"{self.name} exited with code {code}; log {self.log_path}:\n{self.log_tail()}")
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        if self._proc is None:
+            return
+        try:
+            os.killpg(self._proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.send_signal(sig)
+
+    async def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM the process group, SIGKILL it after ``grace_s``; returns the exit code."""
+        if self._proc is None:
+            return None
+        if self._proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(self._proc.wait, grace_s)
+        # the leader may be gone while members of its group are not: kill the group regardless
+        self._signal_group(signal.SIGKILL)
+        if self._proc.poll() is None:
+            await asyncio.sleep(0.05)
+            self._proc.wait(timeout=5)
+        return self._proc.returncode
+
+    def stop_now(self) -> None:
+        """Synchronous SIGKILL of the group (for interpreter exit paths)."""
+        self._signal_group(signal.SIGKILL)
+        if self._proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=5)
+
+
+async def wait_until(
+    proc: ManagedProcess, probe: Callable[[], Awaitable[bool]], timeout_s: float, what: str
+) -> None:
+    """Poll ``probe`` until it returns True; fail early if ``proc`` exits, or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.05
+    while True:
+        proc.check_alive()
+        if await probe():
+            return
+        if time.monotonic() > deadline:
+            raise FleetError(
+                f"{proc.name} not ready ({what}) after {timeout_s:.0f}s; log {proc.log_path}:\n{proc.log_tail()}"
+            )
+        await asyncio.sleep(delay)
+        delay = min(delay * 1.5, 0.5)
+
+
+def http_probe(session: aiohttp.ClientSession, url: str) -> Callable[[], Awaitable[bool]]:
+    """A probe that is True when ``GET url`` answers 200."""
+
+    async def probe() -> bool:
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    return probe
+
+
+def tcp_probe(host: str, port: int) -> Callable[[], Awaitable[bool]]:
+    """A probe that is True when a TCP connection to ``host:port`` succeeds."""
+
+    async def probe() -> bool:
+        try:
+            _reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=1)
+        except (OSError, TimeoutError):
+            return False
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return True
+
+    return probe

@@ -1,0 +1,99 @@
+"""``kvmesh router``: run the cache-aware gateway.
+
+``kvmesh router --config router.yaml`` or, for the common case,
+``kvmesh router --endpoints http://127.0.0.1:8001,http://127.0.0.1:8002 --policy precise``.
+Flags override the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kvmesh.errors import KVMeshError
+
+_POLICIES = ("precise", "approximate", "load", "random", "round-robin", "pd")
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("router", help="run the KV-cache-aware OpenAI gateway")
+    p.add_argument("--config", default=None, help="router YAML file (see docs/router.md)")
+    p.add_argument("--endpoints", default=None, help="comma-separated engine base URLs")
+    p.add_argument("--policy", choices=_POLICIES, default=None, help="scheduling preset")
+    p.add_argument("--scheduler-config", default=None, help="scheduler YAML (plugins + schedulingProfiles)")
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--model", default=None, help="namespace model name (default: from the engines)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer spec, e.g. smollm2 or a model directory")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--hash-algo", choices=["sha256", "xxh3"], default=None)
+    p.add_argument("--redis-index", default=None, metavar="URL", help="share the index through Redis/Valkey")
+    p.add_argument(
+        "--admin-token", default=None, help="bearer token of /admin/* (or $KVMESH_ROUTER_ADMIN_TOKEN)"
+    )
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=_cmd_router)
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    import msgspec
+    import yaml
+    from aiohttp import web
+
+    from kvmesh.router.config import RouterConfig, load_router_config
+    from kvmesh.router.endpoints import EndpointConfig
+    from kvmesh.router.gateway import Gateway, PromptTokenizer
+    from kvmesh.router.scheduler import load_scheduler_config
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = load_router_config(args.config) if args.config else RouterConfig()
+        updates: dict[str, object] = {}
+        if args.endpoints:
+            updates["endpoints"] = [EndpointConfig(url=u) for u in args.endpoints.split(",") if u.strip()]
+        if args.policy:
+            updates["policy"] = args.policy
+            updates["scheduler"] = None
+        if args.scheduler_config:
+            updates["scheduler"] = load_scheduler_config(args.scheduler_config)
+        for flag, field in (
+            ("host", "host"),
+            ("port", "port"),
+            ("model", "model"),
+            ("tokenizer", "tokenizer"),
+            ("block_size", "block_size"),
+            ("hash_algo", "hash_algo"),
+            ("admin_token", "admin_token"),
+            ("seed", "seed"),
+        ):
+            value = getattr(args, flag)
+            if value is not None:
+                updates[field] = value
+        if args.redis_index:
+            updates["index"] = msgspec.structs.replace(
+                config.index, backend="redis", redis_url=args.redis_index
+            )
+        config = msgspec.structs.replace(config, **updates)
+        config.__post_init__()
+        if not config.endpoints:
+            print("kvmesh router: no endpoints (give --endpoints or endpoints: in --config)", file=sys.stderr)
+            return 2
+        tokenizer: PromptTokenizer | None = None
+        if config.tokenizer:
+            from kvmesh.core.tokens import Tokenizer
+
+            tokenizer = Tokenizer.load(config.tokenizer)
+        gateway = Gateway(config, tokenizer=tokenizer)
+    except (KVMeshError, yaml.YAMLError) as exc:
+        print(f"kvmesh router: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"kvmesh router on http://{config.host}:{config.port} → {len(config.endpoints)} endpoints",
+        file=sys.stderr,
+    )
+    web.run_app(gateway.app, host=config.host, port=config.port, print=None, access_log=None)
+    return 0

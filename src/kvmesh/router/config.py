@@ -1,0 +1,129 @@
+"""The router's configuration file (``kvmesh router --config router.yaml``).
+
+::
+
+    host: 127.0.0.1
+    port: 8080
+    model: null            # namespace model name; null takes the first endpoint's /kvmesh/info
+    revision: null         # model revision in block keys; null likewise
+    tokenizer: smollm2     # tokenizer spec (kvmesh.core.models); null routes text prompts by load only
+    blockSize: 16
+    hashAlgo: sha256
+    adminToken: null       # bearer token of /admin/*; null reads $KVMESH_ROUTER_ADMIN_TOKEN, else admin is off
+    policy: precise        # a preset name, used when no `scheduler` is given
+    scheduler: {plugins: [...], schedulingProfiles: [...]}
+    index: {backend: memory, capacity: 2000000, redisUrl: null, keyPrefix: "kvmesh:idx:"}
+    health: {intervalS: 0.5, timeoutS: 0.5, failureThreshold: 2, metricsIntervalS: 1.0}
+    endpoints:
+      - {url: "http://127.0.0.1:8001"}
+      - {url: "http://10.0.0.7:8000", role: decode, eventsEndpoint: "tcp://10.0.0.7:5557"}
+
+Keys are camelCase as in llm-d's configs; unknown keys are rejected.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, HashAlgo
+from kvmesh.errors import ConfigError
+from kvmesh.router.endpoints import EndpointConfig
+
+ADMIN_TOKEN_ENV = "KVMESH_ROUTER_ADMIN_TOKEN"
+
+
+class IndexConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+    """Where the block index lives."""
+
+    backend: str = "memory"
+    """``memory`` (default) or ``redis`` (shared by several router replicas)."""
+    capacity: int = 2_000_000
+    """Most keys the in-memory index keeps (LRU)."""
+    redis_url: str | None = None
+    key_prefix: str = "kvmesh:idx:"
+    ttl_s: float | None = None
+    """Redis only: entries expire this long after their last write."""
+    max_blocks_per_pod: int = 1_000_000
+
+
+class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+    """Health-check and metrics-scrape timing."""
+
+    interval_s: float = 0.5
+    timeout_s: float = 0.5
+    failure_threshold: int = 2
+    metrics_interval_s: float = 1.0
+
+
+class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+    """Everything ``kvmesh router`` needs."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    model: str | None = None
+    revision: str | None = None
+    tokenizer: str | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    hash_algo: str = HashAlgo.SHA256.value
+    admin_token: str | None = None
+    policy: str = "precise"
+    scheduler: dict[str, Any] | None = None
+    index: IndexConfig = msgspec.field(default_factory=IndexConfig)
+    health: HealthConfig = msgspec.field(default_factory=HealthConfig)
+    endpoints: list[EndpointConfig] = msgspec.field(default_factory=list)
+    events_topic: str = ""
+    max_attempts: int = 3
+    """Endpoints tried per request when connecting fails."""
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = 64 * 1024 * 1024
+    """Larger request bodies are answered 413."""
+    seed: int | None = None
+    """Seeds the scheduler's random source (ties, random policies)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ConfigError(f"blockSize must be positive, got {self.block_size}")
+        try:
+            HashAlgo(self.hash_algo)
+        except ValueError as exc:
+            raise ConfigError(f"hashAlgo must be sha256 or xxh3, got {self.hash_algo!r}") from exc
+        if self.index.backend not in ("memory", "redis"):
+            raise ConfigError(f"index.backend must be memory or redis, got {self.index.backend!r}")
+        if self.index.backend == "redis" and not self.index.redis_url:
+            raise ConfigError("index.backend redis needs index.redisUrl")
+        if self.max_attempts < 1:
+            raise ConfigError(f"maxAttempts must be >= 1, got {self.max_attempts}")
+        if self.admin_token is None:
+            self.admin_token = os.environ.get(ADMIN_TOKEN_ENV) or None
+
+
+def router_config_from_dict(raw: Any) -> RouterConfig:
+    """Validate a parsed YAML mapping.
+
+    Raises:
+        ConfigError: wrong types, unknown keys or invalid values.
+    """
+    try:
+        return msgspec.convert(raw, type=RouterConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"router config: {exc}") from exc
+
+
+def load_router_config(path: str | Path) -> RouterConfig:
+    """Read and validate a router YAML file.
+
+    Raises:
+        ConfigError: unreadable file, invalid YAML or invalid config.
+    """
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read router config {path}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+    return router_config_from_dict(raw or {})

@@ -1,0 +1,145 @@
+"""The three plugin interfaces and what their factories receive.
+
+A scheduling cycle runs ``filters → scorers → picker`` over the healthy endpoints::
+
+    endpoints ─► Filter ─► Filter ─► [Scorer × weight, ...] ─► Σ w·s / Σ w ─► Picker ─► ranked pods
+
+Contracts:
+
+* ``Filter.filter`` returns a sub-list of its input, order kept. Returning an empty list is
+  allowed; the scheduler then answers "no endpoint".
+* ``Scorer.score`` returns one float per endpoint, same order; values are clamped to [0, 1] by
+  the scheduler, and higher is better.
+* ``Picker.pick`` returns every candidate ranked best first; the gateway retries down the list.
+* Plugins that learn from decisions (session affinity, round-robin, approximate prefix) also
+  implement ``Observer.observe``, called once with the endpoint chosen by their profile.
+
+Plugins never do I/O and never read the wall clock; randomness comes from the ``rng`` in
+:class:`PluginContext`, so the fleet simulator can drive them in virtual time.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, HashAlgo
+from kvmesh.core.types import PodId
+from kvmesh.errors import ConfigError
+from kvmesh.router.types import EndpointState, RoutingRequest
+
+
+class Filter(Protocol):
+    """Drops endpoints that must not serve a request."""
+
+    def filter(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[EndpointState]:
+        """Return the endpoints that may serve ``request``, in input order."""
+        ...
+
+
+class Scorer(Protocol):
+    """Rates endpoints for a request."""
+
+    def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
+        """One score in [0, 1] per endpoint (higher is better), in input order."""
+        ...
+
+
+class Picker(Protocol):
+    """Turns weighted scores into a ranking."""
+
+    def pick(self, endpoints: list[EndpointState], scores: list[float]) -> list[PodId]:
+        """Every endpoint's pod, best first."""
+        ...
+
+
+@runtime_checkable
+class Observer(Protocol):
+    """A plugin that learns which endpoint its profile chose."""
+
+    def observe(self, request: RoutingRequest, pod: PodId) -> None:
+        """Record that ``request`` was sent to ``pod``."""
+        ...
+
+
+@dataclass(slots=True)
+class PluginContext:
+    """What every factory may use.
+
+    Attributes:
+        rng: the scheduler's random source (seeded in tests and the simulator).
+        block_size: the engines' tokens per block.
+        hash_algo: the engines' key digest.
+    """
+
+    rng: random.Random = field(default_factory=random.Random)
+    block_size: int = DEFAULT_BLOCK_SIZE
+    hash_algo: HashAlgo = HashAlgo.SHA256
+
+
+Plugin = Filter | Scorer | Picker | Any
+PluginFactory = Callable[[str, "Params", PluginContext], Any]
+
+
+class Params:
+    """A plugin's ``parameters`` map with typed getters that name the plugin in errors.
+
+    Args:
+        plugin: the plugin instance's name, for messages.
+        raw: the YAML mapping (``None`` means empty).
+    """
+
+    def __init__(self, plugin: str, raw: Mapping[str, Any] | None) -> None:
+        if raw is not None and not isinstance(raw, Mapping):
+            raise ConfigError(f"plugin {plugin!r}: parameters must be a mapping, got {type(raw).__name__}")
+        self.plugin = plugin
+        self.raw: dict[str, Any] = dict(raw or {})
+        self._used: set[str] = set()
+
+    def number(self, key: str, default: float, *, minimum: float | None = None) -> float:
+        """A float parameter."""
+        value = self.raw.get(key, default)
+        self._used.add(key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"plugin {self.plugin!r}: {key} must be a number, got {value!r}")
+        if minimum is not None and value < minimum:
+            raise ConfigError(f"plugin {self.plugin!r}: {key} must be >= {minimum}, got {value}")
+        return float(value)
+
+    def integer(self, key: str, default: int, *, minimum: int | None = None) -> int:
+        """An int parameter."""
+        value = self.raw.get(key, default)
+        self._used.add(key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"plugin {self.plugin!r}: {key} must be an integer, got {value!r}")
+        if minimum is not None and value < minimum:
+            raise ConfigError(f"plugin {self.plugin!r}: {key} must be >= {minimum}, got {value}")
+        return value
+
+    def string(self, key: str, default: str) -> str:
+        """A string parameter."""
+        value = self.raw.get(key, default)
+        self._used.add(key)
+        if not isinstance(value, str):
+            raise ConfigError(f"plugin {self.plugin!r}: {key} must be a string, got {value!r}")
+        return value
+
+    def mapping(self, key: str) -> dict[str, Any]:
+        """A mapping parameter (empty when absent)."""
+        value = self.raw.get(key, {})
+        self._used.add(key)
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"plugin {self.plugin!r}: {key} must be a mapping, got {value!r}")
+        return dict(value)
+
+    def check_unknown(self) -> None:
+        """Reject parameters no getter asked for (typos must not pass silently).
+
+        Raises:
+            ConfigError: an unknown parameter name.
+        """
+        unknown = sorted(set(self.raw) - self._used)
+        if unknown:
+            raise ConfigError(f"plugin {self.plugin!r}: unknown parameters {unknown}")

@@ -1,0 +1,90 @@
+"""Type names of every scheduling plugin and the one table that registers them.
+
+A YAML config names plugins by these constants (``type:``). Deprecated names stay registered in
+:data:`DEPRECATED_ALIASES` and resolve to their replacement.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvmesh.errors import ConfigError
+from kvmesh.router.plugins import filters, pickers, scorers
+from kvmesh.router.plugins.base import Params, PluginContext, PluginFactory
+
+PREFILL_FILTER = "prefill-filter"
+DECODE_FILTER = "decode-filter"
+QUEUE_DEPTH_FILTER = "queue-depth-filter"
+
+PRECISE_PREFIX_SCORER = "precise-prefix-cache-scorer"
+APPROXIMATE_PREFIX_SCORER = "prefix-cache-scorer"
+QUEUE_SCORER = "queue-scorer"
+KV_CACHE_UTILIZATION_SCORER = "kv-cache-utilization-scorer"
+ACTIVE_REQUEST_SCORER = "active-request-scorer"
+SESSION_AFFINITY_SCORER = "session-affinity-scorer"
+RANDOM_SCORER = "random-scorer"
+ROUND_ROBIN_SCORER = "round-robin-scorer"
+TTFT_ESTIMATE_SCORER = "ttft-estimate-scorer"
+
+MAX_SCORE_PICKER = "max-score-picker"
+WEIGHTED_RANDOM_PICKER = "weighted-random-picker"
+RANDOM_PICKER = "random-picker"
+
+PD_PROFILE_HANDLER = "pd-profile-handler"
+"""Not a plugin object: configures the P/D decider (see :mod:`kvmesh.router.scheduler`)."""
+
+FACTORIES: dict[str, PluginFactory] = {
+    PREFILL_FILTER: filters.make_prefill_filter,
+    DECODE_FILTER: filters.make_decode_filter,
+    QUEUE_DEPTH_FILTER: filters.make_queue_depth_filter,
+    PRECISE_PREFIX_SCORER: scorers.make_precise_prefix_scorer,
+    APPROXIMATE_PREFIX_SCORER: scorers.make_approximate_prefix_scorer,
+    QUEUE_SCORER: scorers.make_queue_scorer,
+    KV_CACHE_UTILIZATION_SCORER: scorers.make_kv_cache_utilization_scorer,
+    ACTIVE_REQUEST_SCORER: scorers.make_active_request_scorer,
+    SESSION_AFFINITY_SCORER: scorers.make_session_affinity_scorer,
+    RANDOM_SCORER: scorers.make_random_scorer,
+    ROUND_ROBIN_SCORER: scorers.make_round_robin_scorer,
+    TTFT_ESTIMATE_SCORER: scorers.make_ttft_estimate_scorer,
+    MAX_SCORE_PICKER: pickers.make_max_score_picker,
+    WEIGHTED_RANDOM_PICKER: pickers.make_weighted_random_picker,
+    RANDOM_PICKER: pickers.make_random_picker,
+}
+
+DEPRECATED_ALIASES: dict[str, str] = {
+    "kv-cache-scorer": KV_CACHE_UTILIZATION_SCORER,
+    "approximate-prefix-cache-scorer": APPROXIMATE_PREFIX_SCORER,
+    "load-aware-scorer": QUEUE_SCORER,
+    "session-affinity": SESSION_AFFINITY_SCORER,
+}
+
+
+def canonical_type(type_name: str) -> str:
+    """Resolve a deprecated alias to its current type name.
+
+    Raises:
+        ConfigError: the name is not registered.
+    """
+    resolved = DEPRECATED_ALIASES.get(type_name, type_name)
+    if resolved not in FACTORIES and resolved != PD_PROFILE_HANDLER:
+        known = ", ".join(sorted([*FACTORIES, PD_PROFILE_HANDLER]))
+        raise ConfigError(f"unknown plugin type {type_name!r}; known types: {known}")
+    return resolved
+
+
+def build_plugin(type_name: str, name: str, raw_params: Any, ctx: PluginContext) -> Any:
+    """Instantiate one plugin from its YAML entry.
+
+    Raises:
+        ConfigError: unknown type, or parameters the factory rejects.
+    """
+    factory = FACTORIES[canonical_type(type_name)]
+    params = Params(name, raw_params)
+    try:
+        plugin = factory(name, params, ctx)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(f"plugin {name!r}: {exc}") from exc
+    params.check_unknown()
+    return plugin

@@ -1,0 +1,304 @@
+"""Scorers: rate each candidate endpoint in [0, 1] (higher is better)."""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
+from kvmesh.core.types import BlockKey, Medium, PodId
+from kvmesh.errors import ConfigError
+from kvmesh.router.plugins.base import Params, PluginContext, Scorer
+from kvmesh.router.prefix import DEFAULT_TIER_WEIGHTS, weighted_blocks
+from kvmesh.router.types import EndpointState, RoutingRequest
+
+
+def _tier_map(
+    plugin: str, raw: Mapping[str, object], defaults: Mapping[Medium, float]
+) -> dict[Medium, float]:
+    out = dict(defaults)
+    for name, value in raw.items():
+        try:
+            tier = Medium(str(name).upper())
+        except ValueError as exc:
+            raise ConfigError(f"plugin {plugin!r}: unknown tier {name!r} (GPU, CPU, DISK, SHARED)") from exc
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ConfigError(f"plugin {plugin!r}: tier {name} needs a non-negative number, got {value!r}")
+        out[tier] = float(value)
+    return out
+
+
+def _min_max_inverse(values: list[float]) -> list[float]:
+    lo, hi = min(values), max(values)
+    if hi <= lo:
+        return [1.0] * len(values)
+    span = hi - lo
+    return [(hi - v) / span for v in values]
+
+
+@dataclass(slots=True)
+class PrecisePrefixScorer:
+    """Share of the prompt's blocks an endpoint holds as a consecutive prefix, by tier weight.
+
+    Reads ``request.prefix``, which the scheduler fills from the event-fed block index.
+    """
+
+    tier_weights: dict[Medium, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
+
+    def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
+        prefix = request.prefix
+        if prefix is None or prefix.num_blocks == 0 or not prefix.pods:
+            return [0.0] * len(endpoints)
+        total = prefix.num_blocks
+        out = []
+        for e in endpoints:
+            match = prefix.pods.get(e.pod)
+            out.append(0.0 if match is None else weighted_blocks(match, self.tier_weights) / total)
+        return out
+
+
+@dataclass(slots=True)
+class ApproximatePrefixScorer:
+    """Prefix share predicted from the router's own routing history (no KV events needed).
+
+    Every routed prompt's blocks (of ``block_size`` tokens, its own granularity) are remembered
+    for the chosen endpoint in an LRU of ``capacity`` blocks.
+    """
+
+    block_size: int
+    capacity: int
+    algo: HashAlgo = HashAlgo.XXH3
+    _history: OrderedDict[BlockKey, dict[PodId, None]] = field(default_factory=OrderedDict)
+    _hashers: dict[Namespace, BlockHasher] = field(default_factory=dict)
+    _last: tuple[str, list[BlockKey]] | None = None
+
+    def _keys(self, request: RoutingRequest) -> list[BlockKey]:
+        if self._last is not None and self._last[0] == request.request_id:
+            return self._last[1]
+        hasher = self._hashers.get(request.namespace)
+        if hasher is None:
+            hasher = self._hashers[request.namespace] = BlockHasher(
+                request.namespace, self.block_size, self.algo
+            )
+        keys = hasher.hash_blocks(request.tokens)
+        self._last = (request.request_id, keys)
+        return keys
+
+    def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
+        keys = self._keys(request)
+        if not keys:
+            return [0.0] * len(endpoints)
+        history = self._history
+        matched: dict[PodId, int] = {}
+        alive: set[PodId] | None = None
+        for depth, key in enumerate(keys):
+            holders = history.get(key)
+            if not holders:
+                break
+            alive = set(holders) if alive is None else alive & holders.keys()
+            if not alive:
+                break
+            for pod in alive:
+                matched[pod] = depth + 1
+        total = len(keys)
+        return [matched.get(e.pod, 0) / total for e in endpoints]
+
+    def observe(self, request: RoutingRequest, pod: PodId) -> None:
+        history = self._history
+        for key in self._keys(request):
+            holders = history.get(key)
+            if holders is None:
+                history[key] = {pod: None}
+            else:
+                holders[pod] = None
+                history.move_to_end(key)
+        while len(history) > self.capacity:
+            history.popitem(last=False)
+
+
+@dataclass(slots=True)
+class QueueScorer:
+    """Shorter engine queue (``vllm:num_requests_waiting``) is better; min-max normalized."""
+
+    def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
+        return _min_max_inverse([float(e.waiting) for e in endpoints])
+
+
+@dataclass(slots=True)
+class KVCacheUtilizationScorer:
+    """Emptier device KV cache is better: ``1 - kv_cache_usage``."""
+
+    def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
+        return [1.0 - e.kv_cache_usage for e in endpoints]
+
+
+@dataclass(slots=True)
+class ActiveRequestScorer:
+    """Fewer requests in flight from this router is better: ``(max - n) / max``."""
+
+    def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
+        top = max((e.in_flight for e in endpoints), default=0)
+        if top <= 0:
+            return [1.0] * len(endpoints)
+        return [(top - e.in_flight) / top for e in endpoints]
+
+
+@dataclass(slots=True)
+class SessionAffinityScorer:
+    """1 for the endpoint that served this ``x-session-id`` last, 0 elsewhere."""
+
+    capacity: int
+    _sessions: OrderedDict[str, PodId] = field(default_factory=OrderedDict)
+
+    def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
+        if request.session_id is None:
+            return [0.0] * len(endpoints)
+        pod = self._sessions.get(request.session_id)
+        return [1.0 if e.pod == pod else 0.0 for e in endpoints]
+
+    def observe(self, request: RoutingRequest, pod: PodId) -> None:
+        if request.session_id is None:
+            return
+        self._sessions[request.session_id] = pod
+        self._sessions.move_to_end(request.session_id)
+        if len(self._sessions) > self.capacity:
+            self._sessions.popitem(last=False)
+
+
+@dataclass(slots=True)
+class RandomScorer:
+    """A uniform random score per endpoint."""
+
+    rng: random.Random
+
+    def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
+        return [self.rng.random() for _ in endpoints]
+
+
+@dataclass(slots=True)
+class RoundRobinScorer:
+    """1 for the next endpoint in pod-id order, 0 elsewhere; advances on each decision."""
+
+    _turn: int = 0
+
+    def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
+        if not endpoints:
+            return []
+        pods = sorted(e.pod for e in endpoints)
+        target = pods[self._turn % len(pods)]
+        return [1.0 if e.pod == target else 0.0 for e in endpoints]
+
+    def observe(self, request: RoutingRequest, pod: PodId) -> None:
+        self._turn += 1
+
+
+@dataclass(slots=True)
+class TTFTEstimateScorer:
+    """Predicted time to first token, scored as ``best_estimate / estimate``.
+
+    ``estimate = queue wait + uncached prefill time + transfer time of cached blocks``, where the
+    queue wait is ``max(waiting, in_flight - running) * queued_request_s``, prefill runs at
+    ``prefill_tokens_per_s``, and blocks cached in a tier move at that tier's GB/s (0 means the
+    tier needs no transfer, as for the device itself).
+    """
+
+    prefill_tokens_per_s: float
+    queued_request_s: float
+    kv_bytes_per_token: float
+    tier_gbps: dict[Medium, float]
+
+    def estimate(self, request: RoutingRequest, endpoint: EndpointState) -> float:
+        """Seconds until ``endpoint`` would emit the first token of ``request``."""
+        queue = max(endpoint.waiting, endpoint.in_flight - endpoint.running, 0)
+        seconds = queue * self.queued_request_s
+        prefix = request.prefix
+        cached = 0
+        if prefix is not None:
+            match = prefix.pods.get(endpoint.pod)
+            if match is not None:
+                for tier, n in match.blocks_by_tier.items():
+                    tokens = n * prefix.block_size
+                    cached += tokens
+                    gbps = self.tier_gbps.get(tier, 0.0)
+                    if gbps > 0:
+                        seconds += tokens * self.kv_bytes_per_token / (gbps * 1e9)
+        seconds += max(request.num_tokens - cached, 0) / self.prefill_tokens_per_s
+        return seconds
+
+    def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
+        estimates = [self.estimate(request, e) for e in endpoints]
+        if not estimates:
+            return []
+        best = min(estimates)
+        return [1.0 if est <= 0.0 else best / est for est in estimates]
+
+
+DEFAULT_TIER_GBPS: dict[Medium, float] = {
+    Medium.GPU: 0.0,
+    Medium.CPU: 16.0,
+    Medium.DISK: 2.0,
+    Medium.SHARED: 1.0,
+}
+
+
+def make_precise_prefix_scorer(name: str, params: Params, ctx: PluginContext) -> PrecisePrefixScorer:
+    return PrecisePrefixScorer(_tier_map(name, params.mapping("tierWeights"), DEFAULT_TIER_WEIGHTS))
+
+
+def make_approximate_prefix_scorer(name: str, params: Params, ctx: PluginContext) -> ApproximatePrefixScorer:
+    return ApproximatePrefixScorer(
+        block_size=params.integer("blockSize", 64, minimum=1),
+        capacity=params.integer("lruCapacity", 500_000, minimum=1),
+        algo=HashAlgo(params.string("hashAlgo", HashAlgo.XXH3.value)),
+    )
+
+
+def make_queue_scorer(name: str, params: Params, ctx: PluginContext) -> QueueScorer:
+    return QueueScorer()
+
+
+def make_kv_cache_utilization_scorer(
+    name: str, params: Params, ctx: PluginContext
+) -> KVCacheUtilizationScorer:
+    return KVCacheUtilizationScorer()
+
+
+def make_active_request_scorer(name: str, params: Params, ctx: PluginContext) -> ActiveRequestScorer:
+    return ActiveRequestScorer()
+
+
+def make_session_affinity_scorer(name: str, params: Params, ctx: PluginContext) -> SessionAffinityScorer:
+    return SessionAffinityScorer(params.integer("maxSessions", 100_000, minimum=1))
+
+
+def make_random_scorer(name: str, params: Params, ctx: PluginContext) -> RandomScorer:
+    return RandomScorer(ctx.rng)
+
+
+def make_round_robin_scorer(name: str, params: Params, ctx: PluginContext) -> RoundRobinScorer:
+    return RoundRobinScorer()
+
+
+def make_ttft_estimate_scorer(name: str, params: Params, ctx: PluginContext) -> TTFTEstimateScorer:
+    return TTFTEstimateScorer(
+        prefill_tokens_per_s=params.number("prefillTokensPerSecond", 8000.0, minimum=1e-9),
+        queued_request_s=params.number("queuedRequestSeconds", 0.05, minimum=0.0),
+        kv_bytes_per_token=params.number("kvBytesPerToken", 36_864.0, minimum=0.0),
+        tier_gbps=_tier_map(name, params.mapping("tierGBps"), DEFAULT_TIER_GBPS),
+    )
+
+
+def _conforms(
+    a: PrecisePrefixScorer,
+    b: ApproximatePrefixScorer,
+    c: QueueScorer,
+    d: KVCacheUtilizationScorer,
+    e: ActiveRequestScorer,
+    f: SessionAffinityScorer,
+    g: RandomScorer,
+    h: RoundRobinScorer,
+    i: TTFTEstimateScorer,
+) -> list[Scorer]:
+    return [a, b, c, d, e, f, g, h, i]

@@ -1,0 +1,168 @@
+"""A :class:`~kvmesh.router.index.BlockIndex` in Redis/Valkey, shared by several router replicas.
+
+Layout (``P`` is the key prefix, ``k`` the 16 raw key bytes)::
+
+    P b: k        hash   field "<pod>|<tier bit>" → 1      one field per (pod, tier)
+    P p: <pod>    set    of k                             the pod's keys, for clear_pod
+    P pods        set    of pod ids
+
+Every write is idempotent (HSET/HDEL/SADD), so replicas that all subscribe to the same event
+streams converge on the same contents. Memory is bounded by the server (``maxmemory`` with an
+LRU policy) and optionally by a TTL refreshed on each write. Calls are synchronous and pipelined:
+one round trip per ``add``/``remove``, one per 32 blocks of a ``lookup``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
+
+import redis
+
+from kvmesh.core.types import BlockKey, PodId
+from kvmesh.errors import TierUnavailableError
+from kvmesh.router.index import ALL_MEDIA, MEDIUM_BITS, BlockIndex, Holders, IndexStats, MediumSet
+
+_BITS = tuple(MEDIUM_BITS.values())
+_LOOKUP_GROUP = 32
+
+
+class RedisIndex:
+    """Block index stored in Redis.
+
+    Args:
+        url: ``redis://host:port/db`` (Valkey speaks the same protocol).
+        key_prefix: namespace of this index's keys.
+        ttl_s: expire entries this long after their last write (``None``: never).
+        client: an existing client (the URL is then ignored).
+
+    Raises:
+        TierUnavailableError: from any method when the server cannot be reached.
+    """
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        key_prefix: str = "kvmesh:idx:",
+        ttl_s: float | None = None,
+        client: redis.Redis | None = None,
+    ) -> None:
+        self.client = client if client is not None else redis.Redis.from_url(url, socket_timeout=2.0)
+        self.prefix = key_prefix.encode()
+        self.ttl_ms = None if ttl_s is None else int(ttl_s * 1000)
+        self._block_prefix = self.prefix + b"b:"
+        self._pods_key = self.prefix + b"pods"
+
+    def _pod_key(self, pod: PodId) -> bytes:
+        return self.prefix + b"p:" + pod.encode()
+
+    def add(self, keys: Sequence[BlockKey], pod: PodId, media: MediumSet) -> None:
+        if not keys:
+            return
+        fields = {f"{pod}|{bit}": 1 for bit in _BITS if media & bit}
+        bp = self._block_prefix
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                name = bp + key
+                pipe.hset(name, mapping=fields)  # type: ignore[arg-type]
+                if self.ttl_ms is not None:
+                    pipe.pexpire(name, self.ttl_ms)
+            pipe.sadd(self._pod_key(pod), *keys)
+            pipe.sadd(self._pods_key, pod)
+            pipe.execute()
+        except redis.RedisError as exc:
+            raise TierUnavailableError(f"redis index add failed: {exc}") from exc
+
+    def remove(self, keys: Sequence[BlockKey], pod: PodId, media: MediumSet = ALL_MEDIA) -> None:
+        if not keys:
+            return
+        fields = [f"{pod}|{bit}" for bit in _BITS if media & bit]
+        all_fields = [f"{pod}|{bit}" for bit in _BITS]
+        bp = self._block_prefix
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.hdel(bp + key, *fields)
+            pipe.execute()
+            # Keys the pod no longer holds in any tier leave its membership set.
+            check = self.client.pipeline(transaction=False)
+            for key in keys:
+                check.hmget(bp + key, all_fields)
+            left = check.execute()
+            gone = [k for k, vals in zip(keys, left, strict=True) if not any(vals)]
+            if gone:
+                self.client.srem(self._pod_key(pod), *gone)
+        except redis.RedisError as exc:
+            raise TierUnavailableError(f"redis index remove failed: {exc}") from exc
+
+    def lookup(self, keys: Iterable[BlockKey]) -> list[Holders]:
+        out: list[Holders] = []
+        it: Iterator[BlockKey] = iter(keys)
+        bp = self._block_prefix
+        try:
+            while True:
+                group = list(islice(it, _LOOKUP_GROUP))
+                if not group:
+                    return out
+                pipe = self.client.pipeline(transaction=False)
+                for key in group:
+                    pipe.hgetall(bp + key)
+                for raw in pipe.execute():
+                    if not raw:
+                        return out
+                    holders: dict[PodId, MediumSet] = {}
+                    for field in raw:
+                        pod_s, _, bit_s = field.decode().rpartition("|")
+                        pod = PodId(pod_s)
+                        holders[pod] = MediumSet(holders.get(pod, 0) | int(bit_s))
+                    out.append(holders)
+        except redis.RedisError as exc:
+            raise TierUnavailableError(f"redis index lookup failed: {exc}") from exc
+
+    def clear_pod(self, pod: PodId) -> int:
+        pod_key = self._pod_key(pod)
+        fields = [f"{pod}|{bit}" for bit in _BITS]
+        bp = self._block_prefix
+        dropped = 0
+        try:
+            batch: list[bytes] = []
+            for key in self.client.sscan_iter(pod_key, count=1000):
+                batch.append(key)
+                if len(batch) >= 1000:
+                    dropped += self._hdel_many(batch, fields, bp)
+                    batch = []
+            if batch:
+                dropped += self._hdel_many(batch, fields, bp)
+            self.client.delete(pod_key)
+            self.client.srem(self._pods_key, pod)
+        except redis.RedisError as exc:
+            raise TierUnavailableError(f"redis index clear_pod failed: {exc}") from exc
+        return dropped
+
+    def _hdel_many(self, keys: list[bytes], fields: list[str], bp: bytes) -> int:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hdel(bp + key, *fields)
+        return sum(1 for n in pipe.execute() if n)
+
+    def stats(self) -> IndexStats:
+        try:
+            pods = self.client.smembers(self._pods_key)
+            pipe = self.client.pipeline(transaction=False)
+            for pod in pods:
+                pipe.scard(self.prefix + b"p:" + (pod if isinstance(pod, bytes) else pod.encode()))
+            entries = sum(int(n) for n in pipe.execute()) if pods else 0
+            num_keys = sum(1 for _ in self.client.scan_iter(match=self._block_prefix + b"*", count=1000))
+        except redis.RedisError as exc:
+            raise TierUnavailableError(f"redis index stats failed: {exc}") from exc
+        return IndexStats(num_keys, entries, 0, -1, "redis")
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self.client.close()
+
+
+def _conforms(index: RedisIndex) -> BlockIndex:
+    return index

@@ -1,0 +1,358 @@
+"""The scheduler: filters → weighted scorers → picker, in profiles configured from YAML.
+
+``Scheduler.pick(request, endpoints)`` is pure and synchronous: no I/O, no wall clock (an
+optional injected ``clock`` times the scorers), randomness from an injected ``rng``. The gateway
+calls it per request; the fleet simulator drives the same object in virtual time.
+
+Config (llm-d's EPP layout)::
+
+    plugins:
+      - type: precise-prefix-cache-scorer      # a registered type name
+        name: prefix                           # optional; defaults to the type
+        parameters: {tierWeights: {CPU: 0.8}}
+      - type: queue-scorer
+      - type: max-score-picker
+    schedulingProfiles:
+      - name: default
+        plugins:
+          - {pluginRef: prefix, weight: 3}
+          - {pluginRef: queue-scorer, weight: 2}
+          - {pluginRef: max-score-picker}
+
+With a ``pd-profile-handler`` plugin (parameters ``threshold``, ``prefillProfile``,
+``decodeProfile``) the decode profile picks the endpoint; when the prompt's tokens not cached
+there exceed ``threshold``, the prefill profile also picks a prefill endpoint.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, BlockHasher, HashAlgo, Namespace
+from kvmesh.core.types import PodId
+from kvmesh.errors import ConfigError
+from kvmesh.router.index import BlockIndex
+from kvmesh.router.plugins.base import Filter, Observer, Params, Picker, PluginContext, Scorer
+from kvmesh.router.plugins.pickers import MaxScorePicker
+from kvmesh.router.plugins.registry import PD_PROFILE_HANDLER, build_plugin, canonical_type
+from kvmesh.router.prefix import match_prefix
+from kvmesh.router.types import Decision, EndpointState, PrefixMatch, RoutingRequest
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+PRESET_NAMES = ("precise", "approximate", "load", "random", "round-robin", "pd")
+DEFAULT_PROFILE = "default"
+
+
+@dataclass(slots=True)
+class WeightedScorer:
+    """A scorer instance in a profile with its weight."""
+
+    name: str
+    scorer: Scorer
+    weight: float
+
+
+@dataclass(slots=True)
+class Profile:
+    """One filter → score → pick pipeline."""
+
+    name: str
+    filters: list[Filter] = field(default_factory=list)
+    scorers: list[WeightedScorer] = field(default_factory=list)
+    picker: Picker | None = None
+    observers: list[Observer] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PDConfig:
+    """The P/D decider's settings.
+
+    Attributes:
+        threshold: split a request when more than this many prompt tokens are not cached on the
+            chosen decode endpoint.
+        prefill_profile: profile that picks the prefill endpoint.
+        decode_profile: profile that picks the decode endpoint.
+    """
+
+    threshold: int
+    prefill_profile: str = "prefill"
+    decode_profile: str = "decode"
+
+
+@dataclass(slots=True)
+class _Ranked:
+    ranked: list[PodId]
+    scores: dict[PodId, float]
+
+
+class Scheduler:
+    """Picks an endpoint per request.
+
+    Args:
+        profiles: the pipelines by name.
+        index: the block index the prefix is matched against (``None``: no precise prefix).
+        block_size: the engines' tokens per block.
+        hash_algo: the engines' key digest.
+        pd: the P/D decider's settings, or ``None`` for whole requests.
+        rng: random source of the built-in picker.
+        clock: seconds counter used only to time scorers (``None``: no timing).
+        on_timing: called with ``(scorer name, seconds)`` after each scorer runs when ``clock`` is set.
+    """
+
+    def __init__(
+        self,
+        profiles: Mapping[str, Profile],
+        *,
+        index: BlockIndex | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        hash_algo: HashAlgo = HashAlgo.SHA256,
+        pd: PDConfig | None = None,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] | None = None,
+        on_timing: Callable[[str, float], None] | None = None,
+    ) -> None:
+        if not profiles:
+            raise ConfigError("a scheduler needs at least one scheduling profile")
+        self.profiles = dict(profiles)
+        if pd is not None:
+            for needed in (pd.prefill_profile, pd.decode_profile):
+                if needed not in self.profiles:
+                    raise ConfigError(f"pd-profile-handler names profile {needed!r}, which is not defined")
+        elif DEFAULT_PROFILE not in self.profiles and len(self.profiles) > 1:
+            raise ConfigError(f"with several profiles and no P/D, one must be named {DEFAULT_PROFILE!r}")
+        self.index = index
+        self.block_size = block_size
+        self.hash_algo = HashAlgo(hash_algo)
+        self.pd = pd
+        self.rng = rng if rng is not None else random.Random()
+        self.clock = clock
+        self.on_timing = on_timing
+        self._default_picker = MaxScorePicker(self.rng)
+        self._hashers: dict[Namespace, BlockHasher] = {}
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Mapping[str, Any],
+        *,
+        index: BlockIndex | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        hash_algo: HashAlgo = HashAlgo.SHA256,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] | None = None,
+        on_timing: Callable[[str, float], None] | None = None,
+    ) -> Scheduler:
+        """Build a scheduler from a parsed YAML mapping (see the module docstring).
+
+        Raises:
+            ConfigError: unknown plugin types or references, bad parameters or weights.
+        """
+        rng = rng if rng is not None else random.Random()
+        ctx = PluginContext(rng=rng, block_size=block_size, hash_algo=HashAlgo(hash_algo))
+        profiles, pd = _parse_config(config, ctx)
+        return cls(
+            profiles,
+            index=index,
+            block_size=block_size,
+            hash_algo=hash_algo,
+            pd=pd,
+            rng=rng,
+            clock=clock,
+            on_timing=on_timing,
+        )
+
+    def hasher(self, namespace: Namespace) -> BlockHasher:
+        """The block hasher for one namespace (cached)."""
+        hasher = self._hashers.get(namespace)
+        if hasher is None:
+            hasher = self._hashers[namespace] = BlockHasher(namespace, self.block_size, self.hash_algo)
+        return hasher
+
+    def match(self, request: RoutingRequest) -> PrefixMatch:
+        """Match ``request``'s prefix against the index (empty without an index)."""
+        hasher = self.hasher(request.namespace)
+        if self.index is None:
+            return PrefixMatch(hasher.num_full_blocks(request.num_tokens), self.block_size)
+        return match_prefix(self.index, hasher, request.tokens)
+
+    def pick(self, request: RoutingRequest, endpoints: list[EndpointState]) -> Decision | None:
+        """Choose where ``request`` goes.
+
+        Args:
+            request: the request; ``request.prefix`` is filled from the index when ``None``.
+            endpoints: current state of every known endpoint; unhealthy ones are skipped.
+
+        Returns:
+            The decision, or ``None`` when no healthy endpoint passes the filters.
+        """
+        if request.prefix is None:
+            request.prefix = self.match(request)
+        healthy = [e for e in endpoints if e.healthy]
+        if not healthy:
+            return None
+        if self.pd is None:
+            name = DEFAULT_PROFILE if DEFAULT_PROFILE in self.profiles else next(iter(self.profiles))
+            result = self._run(self.profiles[name], request, healthy)
+            if result is None:
+                return None
+            return self._decide(request, result, name, None)
+        pd = self.pd
+        decode = self._run(self.profiles[pd.decode_profile], request, healthy)
+        if decode is None:
+            return None
+        target = decode.ranked[0]
+        uncached = request.num_tokens - request.prefix.hit_tokens(target)
+        prefill: PodId | None = None
+        if uncached > pd.threshold:
+            chosen = self._run(self.profiles[pd.prefill_profile], request, healthy)
+            if chosen is not None and chosen.ranked[0] != target:
+                prefill = chosen.ranked[0]
+        return self._decide(request, decode, pd.decode_profile, prefill)
+
+    def _decide(
+        self, request: RoutingRequest, result: _Ranked, profile: str, prefill: PodId | None
+    ) -> Decision:
+        target = result.ranked[0]
+        assert request.prefix is not None, "pick() must fill request.prefix before deciding"
+        return Decision(
+            endpoint=target,
+            ranked=result.ranked,
+            scores=result.scores,
+            prefill=prefill,
+            predicted_hit_tokens=request.prefix.hit_tokens(target),
+            profile=profile,
+        )
+
+    def _run(
+        self, profile: Profile, request: RoutingRequest, endpoints: list[EndpointState]
+    ) -> _Ranked | None:
+        candidates = endpoints
+        for flt in profile.filters:
+            candidates = flt.filter(request, candidates)
+            if not candidates:
+                return None
+        totals = [0.0] * len(candidates)
+        weight_sum = 0.0
+        clock = self.clock
+        for ws in profile.scorers:
+            start = clock() if clock is not None else 0.0
+            scores = ws.scorer.score(request, candidates)
+            if clock is not None and self.on_timing is not None:
+                self.on_timing(ws.name, clock() - start)
+            assert len(scores) == len(candidates), (
+                f"scorer {ws.name!r} returned {len(scores)} scores for {len(candidates)} endpoints"
+            )
+            w = ws.weight
+            weight_sum += w
+            for i, s in enumerate(scores):
+                totals[i] += w * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
+        if weight_sum > 0:
+            totals = [t / weight_sum for t in totals]
+        picker = profile.picker if profile.picker is not None else self._default_picker
+        ranked = picker.pick(candidates, totals)
+        for observer in profile.observers:
+            observer.observe(request, ranked[0])
+        return _Ranked(ranked, {e.pod: t for e, t in zip(candidates, totals, strict=True)})
+
+
+def load_scheduler_config(source: str | Path) -> dict[str, Any]:
+    """Read a scheduler config: a preset name or a YAML file path.
+
+    A router config file may hold the scheduler under a ``scheduler:`` key; plain scheduler files
+    have ``plugins`` and ``schedulingProfiles`` at the top.
+
+    Raises:
+        ConfigError: unknown preset, unreadable file or invalid YAML.
+    """
+    text_source = str(source)
+    path = PRESETS_DIR / f"{text_source}.yaml" if text_source in PRESET_NAMES else Path(text_source)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(
+            f"no scheduler config {text_source!r}: not a preset ({', '.join(PRESET_NAMES)}) nor a file"
+        ) from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    scheduler = raw.get("scheduler", raw)
+    if not isinstance(scheduler, dict):
+        raise ConfigError(f"{path}: 'scheduler' must be a mapping")
+    return scheduler
+
+
+def _parse_config(
+    config: Mapping[str, Any], ctx: PluginContext
+) -> tuple[dict[str, Profile], PDConfig | None]:
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"scheduler config must be a mapping, got {type(config).__name__}")
+    unknown = sorted(set(config) - {"plugins", "schedulingProfiles"})
+    if unknown:
+        raise ConfigError(f"unknown scheduler config keys {unknown} (expected plugins, schedulingProfiles)")
+    plugins: dict[str, Any] = {}
+    pd: PDConfig | None = None
+    entries = config.get("plugins") or []
+    if not isinstance(entries, list):
+        raise ConfigError("'plugins' must be a list")
+    for entry in entries:
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("type"), str):
+            raise ConfigError(f"each plugin needs a string 'type', got {entry!r}")
+        type_name = canonical_type(entry["type"])
+        name = entry.get("name", entry["type"])
+        if not isinstance(name, str) or name in plugins:
+            raise ConfigError(f"plugin names must be unique strings, got {name!r}")
+        if type_name == PD_PROFILE_HANDLER:
+            params = Params(name, entry.get("parameters"))
+            pd = PDConfig(
+                threshold=params.integer("threshold", 512, minimum=0),
+                prefill_profile=params.string("prefillProfile", "prefill"),
+                decode_profile=params.string("decodeProfile", "decode"),
+            )
+            params.check_unknown()
+            plugins[name] = pd
+            continue
+        plugins[name] = build_plugin(type_name, name, entry.get("parameters"), ctx)
+    raw_profiles = config.get("schedulingProfiles") or []
+    if not isinstance(raw_profiles, list) or not raw_profiles:
+        raise ConfigError("'schedulingProfiles' must be a non-empty list")
+    profiles: dict[str, Profile] = {}
+    for raw in raw_profiles:
+        if not isinstance(raw, Mapping) or not isinstance(raw.get("name"), str):
+            raise ConfigError(f"each scheduling profile needs a string 'name', got {raw!r}")
+        profile = Profile(raw["name"])
+        refs = raw.get("plugins") or []
+        if not isinstance(refs, list):
+            raise ConfigError(f"profile {profile.name!r}: 'plugins' must be a list")
+        for ref in refs:
+            _add_to_profile(profile, ref, plugins)
+        profiles[profile.name] = profile
+    return profiles, pd
+
+
+def _add_to_profile(profile: Profile, ref: Any, plugins: Mapping[str, Any]) -> None:
+    if not isinstance(ref, Mapping) or not isinstance(ref.get("pluginRef"), str):
+        raise ConfigError(f"profile {profile.name!r}: each entry needs a string 'pluginRef', got {ref!r}")
+    name = ref["pluginRef"]
+    plugin = plugins.get(name)
+    if plugin is None or isinstance(plugin, PDConfig):
+        raise ConfigError(f"profile {profile.name!r}: no filter, scorer or picker named {name!r}")
+    weight = ref.get("weight", 1)
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
+        raise ConfigError(f"profile {profile.name!r}: weight of {name!r} must be a non-negative number")
+    if hasattr(plugin, "filter"):
+        profile.filters.append(plugin)
+    elif hasattr(plugin, "score"):
+        profile.scorers.append(WeightedScorer(name, plugin, float(weight)))
+    else:
+        if profile.picker is not None:
+            raise ConfigError(f"profile {profile.name!r}: more than one picker")
+        profile.picker = plugin
+    if isinstance(plugin, Observer) and all(o is not plugin for o in profile.observers):
+        profile.observers.append(plugin)

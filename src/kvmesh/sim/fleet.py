@@ -1,0 +1,353 @@
+"""A simulated fleet: replicas, lower tiers and the router, driven by a workload in virtual time.
+
+    workload ──► arrivals ──► SimRouter.pick (real scheduler + index) ──► SimReplica.submit
+                                  ▲                                            │
+                                  └───────── KV events (real EventApplier) ◄───┘
+
+:func:`simulate` is the entry point: same inputs and seed, same result, to the last bit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.bench.workloads import RequestSpec, Workload
+from kvmesh.core.types import BlockKey, PodId
+from kvmesh.engine.cost_model import CostModel, CostPreset, get_preset
+from kvmesh.engine.prefix_cache import PrefixCache
+from kvmesh.errors import ConfigError
+from kvmesh.sim.loop import EventLoop
+from kvmesh.sim.replica import ReplicaConfig, SimReplica, SimRequest
+from kvmesh.sim.routing import (
+    SIM_HASH_ALGO,
+    SIM_MODEL,
+    TTFT_ESTIMATE,
+    SimRouter,
+    resolve_policy,
+    ttft_estimate_config,
+)
+from kvmesh.sim.tiers import SharedStore, TierStack
+
+
+@dataclass(slots=True)
+class FleetConfig:
+    """Everything about the simulated fleet except the workload.
+
+    Args:
+        num_replicas: engines in the fleet.
+        model_preset: a cost-model preset name (``kvmesh.engine.cost_model.PRESETS``) or a preset.
+        policy: scheduler preset name (precise, approximate, load, random, round-robin,
+            ttft-estimate), a scheduler YAML path, or a parsed scheduler config.
+        block_size: device-tier block size (the router's, too).
+        kv_capacity_tokens: per replica; ``None`` takes the cost model's figure.
+        max_num_batched_tokens, max_num_seqs: per-step token budget and batch cap; ``None`` = preset.
+        chunk_size: store chunk size of the lower tiers.
+        cpu_tier_tokens: per-replica CPU tier size; 0 = none.
+        shared_tier: ``None`` or a kind name ("redis", "valkey", "fs"): a fleet-wide shared store.
+        shared_capacity_tokens: its size; ``None`` = effectively unbounded.
+        net_gbps: each replica's NIC towards the shared tier (Gb/s, each direction).
+        store_gbps: the shared store's NIC; ``None`` = not a bottleneck.
+        shared_latency_s: per transfer to or from the shared tier.
+        metrics_interval_s: staleness of the gauges the router's scorers read.
+        queue_sample_interval_s: how often queue depth is sampled for the report.
+        gpu_hour_usd: price of one GPU-hour, for cost per 1k requests.
+        path_latency_s: time from the client's send to the engine's queue (gateway, tokenization,
+            HTTP); it counts in TTFT and E2E.
+        request_timeout_s: the client gives up on a request not finished after this long; the
+            engine aborts it and it counts as failed. ``None`` = wait forever.
+        seed: seeds the scheduler's randomness.
+    """
+
+    num_replicas: int
+    model_preset: str | CostPreset = "llama-3.1-8b-h100"
+    policy: str | Mapping[str, Any] = "precise"
+    block_size: int = 16
+    kv_capacity_tokens: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    chunk_size: int = 256
+    cpu_tier_tokens: int = 0
+    shared_tier: str | None = None
+    shared_capacity_tokens: int | None = None
+    net_gbps: float = 100.0
+    store_gbps: float | None = None
+    shared_latency_s: float = 1.5e-3
+    metrics_interval_s: float = 0.05
+    queue_sample_interval_s: float = 1.0
+    gpu_hour_usd: float = 2.5
+    path_latency_s: float = 0.0
+    request_timeout_s: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_replicas <= 0:
+            raise ConfigError(f"num_replicas must be positive, got {self.num_replicas}")
+        if self.net_gbps <= 0:
+            raise ConfigError(f"net_gbps must be positive, got {self.net_gbps}")
+        if self.shared_tier is not None and self.shared_tier not in ("redis", "valkey", "fs", "shared"):
+            raise ConfigError(f"shared_tier must be redis, valkey, fs or shared, got {self.shared_tier!r}")
+
+    def preset(self) -> CostPreset:
+        if isinstance(self.model_preset, CostPreset):
+            return self.model_preset
+        try:
+            return get_preset(self.model_preset)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+
+    def policy_label(self) -> str:
+        return self.policy if isinstance(self.policy, str) else "custom"
+
+
+@dataclass(slots=True)
+class FleetRun:
+    """The raw outcome of one simulation: every request and every replica."""
+
+    config: FleetConfig
+    workload: str
+    requests: list[SimRequest]
+    replicas: list[SimReplica]
+    shared: SharedStore | None
+    router: SimRouter
+    queue_samples: list[tuple[float, list[int], list[int]]]
+    stage_rates: list[float]
+    duration_s: float
+    wall_s: float
+    num_events: int
+    cost: CostModel
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _KeyMemo:
+    """Block keys hashed once per distinct prompt (bounded)."""
+
+    def __init__(self, cache: PrefixCache, limit: int = 200_000) -> None:
+        self._cache = cache
+        self._memo: dict[tuple[int, ...], list[BlockKey]] = {}
+        self._limit = limit
+
+    def keys(self, tokens: list[int]) -> list[BlockKey]:
+        key = tuple(tokens)
+        found = self._memo.get(key)
+        if found is None:
+            if len(self._memo) >= self._limit:
+                self._memo.clear()
+            found = self._memo[key] = self._cache.block_keys(tokens)
+        return found
+
+
+class FleetSimulation:
+    """Builds a fleet from a :class:`FleetConfig` and runs workloads on it (one run per instance)."""
+
+    def __init__(self, config: FleetConfig) -> None:
+        self.config = config
+        preset = config.preset()
+        self.cost = CostModel(preset)
+        self.loop = EventLoop()
+        capacity = config.kv_capacity_tokens or self.cost.kv_capacity_tokens()
+        self.replica_config = ReplicaConfig(
+            kv_capacity_tokens=capacity,
+            block_size=config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens or preset.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs or preset.max_num_seqs,
+        )
+        self.shared: SharedStore | None = None
+        if config.shared_tier is not None:
+            cap = config.shared_capacity_tokens or 1 << 40
+            self.shared = SharedStore(cap, config.chunk_size, config.store_gbps, config.shared_latency_s)
+        self.replicas: list[SimReplica] = []
+        for i in range(config.num_replicas):
+            pod = PodId(f"sim-{i}")
+            cache = PrefixCache.create_simulated(capacity, config.block_size, SIM_MODEL, SIM_HASH_ALGO.value)
+            tiers = TierStack(
+                self.cost,
+                config.block_size,
+                config.chunk_size,
+                config.cpu_tier_tokens,
+                self.shared,
+                config.net_gbps,
+                name=pod,
+            )
+            self.replicas.append(
+                SimReplica(
+                    pod,
+                    i,
+                    self.loop,
+                    self.cost,
+                    self.replica_config,
+                    cache,
+                    tiers,
+                    self._on_events,
+                    self._on_done,
+                )
+            )
+        policy = config.policy
+        if policy == TTFT_ESTIMATE:
+            sched_cfg = ttft_estimate_config(
+                prefill_tokens_per_s=self._prefill_rate(),
+                queued_request_s=self.cost.cold_prefill_time(2048),
+                kv_bytes_per_token=self.cost.model.kv_bytes_per_token,
+                shared_gbps=config.net_gbps,
+            )
+        else:
+            sched_cfg = resolve_policy(policy)
+        self.router = SimRouter(
+            sched_cfg,
+            self.replicas,
+            block_size=config.block_size,
+            seed=config.seed,
+            metrics_interval_s=config.metrics_interval_s,
+        )
+        self._memo = _KeyMemo(self.replicas[0].cache)
+        self._done: list[SimRequest] = []
+        self._sessions: dict[str, deque[SimRequest]] = {}
+        self._busy_sessions: set[str] = set()
+        self._session_of: dict[int, str] = {}
+        self._pending = 0
+        self._source: Iterator[RequestSpec] | None = None
+        self._index = 0
+        self._queue: list[tuple[float, list[int], list[int]]] = []
+        self._stage_rates: list[float] = []
+        self.on_progress: Callable[[int], None] | None = None
+
+    def _prefill_rate(self) -> float:
+        n = 4096
+        return n / self.cost.prefill_time(0, n)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _on_events(self, pod: PodId, events: list[Any]) -> None:
+        self.router.on_events(pod, events)
+
+    def _on_done(self, req: SimRequest) -> None:
+        self.router.done(req)
+        self._done.append(req)
+        self._pending -= 1
+        if self.on_progress is not None:
+            self.on_progress(len(self._done))
+        session = self._session_of.pop(req.index, None)
+        if session is not None:
+            waiting = self._sessions.get(session)
+            if waiting:
+                nxt = waiting.popleft()
+                nxt.arrival = max(nxt.arrival, self.loop.now)
+                self.loop.call_at(nxt.arrival, self._send, nxt)
+            else:
+                self._busy_sessions.discard(session)
+                self._sessions.pop(session, None)
+
+    def _next_arrival(self) -> None:
+        assert self._source is not None
+        spec = next(self._source, None)
+        if spec is None:
+            self._source = None
+            return
+        tokens = spec.prompt_token_ids
+        req = SimRequest(
+            index=self._index,
+            request_id=spec.request_id,
+            arrival=max(spec.arrival_s, self.loop.now),
+            tokens=tokens,
+            output_len=spec.output_len,
+            keys=self._memo.keys(tokens),
+            stage=spec.stage,
+            group=spec.group,
+            reusable=spec.reusable_prefix_len,
+        )
+        self._index += 1
+        self._pending += 1
+        self.loop.call_at(req.arrival, self._arrive, req, spec.session_id)
+
+    def _arrive(self, req: SimRequest, session: str | None) -> None:
+        self._next_arrival()
+        if session is not None:
+            self._session_of[req.index] = session
+            if session in self._busy_sessions:
+                self._sessions.setdefault(session, deque()).append(req)
+                return
+            self._busy_sessions.add(session)
+        self._send(req)
+
+    def _send(self, req: SimRequest) -> None:
+        cfg = self.config
+        if cfg.request_timeout_s is not None:
+            self.loop.call_at(self.loop.now + cfg.request_timeout_s, self._timeout, req)
+        if cfg.path_latency_s > 0:
+            self.loop.call_later(cfg.path_latency_s, self._dispatch, req)
+        else:
+            self._dispatch(req)
+
+    def _timeout(self, req: SimRequest) -> None:
+        if req.finish >= 0:
+            return
+        if req.replica < 0:
+            req.failed = "timeout"
+            req.finish = self.loop.now
+            self._on_done(req)
+            return
+        self.replicas[req.replica].abort(req, "timeout")
+
+    def _dispatch(self, req: SimRequest) -> None:
+        if req.finish >= 0:
+            return
+        replica = self.router.route(req, self.loop.now)
+        if replica is None:
+            req.failed = "no endpoint"
+            req.finish = self.loop.now
+            self._on_done(req)
+            return
+        replica.submit(req)
+
+    def _sample_queue(self) -> None:
+        now = self.loop.now
+        self._queue.append(
+            (now, [r.num_waiting for r in self.replicas], [r.num_running for r in self.replicas])
+        )
+        if self._source is not None or self._pending > 0:
+            self.loop.call_later(self.config.queue_sample_interval_s, self._sample_queue)
+
+    # ------------------------------------------------------------------ run
+
+    def run(self, workload: Workload, *, until: float | None = None) -> FleetRun:
+        """Simulate ``workload`` to completion (or to virtual time ``until``).
+
+        Raises:
+            RuntimeError: the instance already ran.
+        """
+        if self.loop.num_events or self._done:
+            raise RuntimeError("a FleetSimulation runs once; build a new one")
+        stages = getattr(workload, "stages", None)
+        self._stage_rates = [s.rate for s in stages] if stages else []
+        wall = time.perf_counter()
+        self._source = iter(workload.requests())
+        self._next_arrival()
+        self.loop.call_at(0.0, self._sample_queue)
+        self.loop.run(until)
+        end = self.loop.now
+        for r in self.replicas:
+            r.close_usage(end)
+        wall = time.perf_counter() - wall
+        self._done.sort(key=lambda r: r.index)
+        return FleetRun(
+            config=self.config,
+            workload=getattr(workload, "name", type(workload).__name__),
+            requests=self._done,
+            replicas=self.replicas,
+            shared=self.shared,
+            router=self.router,
+            queue_samples=self._queue,
+            stage_rates=self._stage_rates,
+            duration_s=end,
+            wall_s=wall,
+            num_events=self.loop.num_events,
+            cost=self.cost,
+        )
+
+
+def simulate(config: FleetConfig, workload: Workload, *, until: float | None = None) -> FleetRun:
+    """Build a fleet from ``config`` and run ``workload`` on it."""
+    return FleetSimulation(config).run(workload, until=until)

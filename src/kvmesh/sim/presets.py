@@ -1,0 +1,187 @@
+"""Named scenarios: llm-d's published capacity benchmarks, ready to simulate side by side.
+
+Each preset fixes the fleet (model, GPUs, pods, KV per pod), the workload (inference-perf's
+``shared_prefix`` with the published load stages) and the four schedulers llm-d compared, with
+the scorer weights the benchmark used. ``published`` holds the published table so reports can put
+simulated and measured figures next to each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.bench.workloads import SharedPrefixWorkload, Stage
+from kvmesh.errors import ConfigError
+from kvmesh.sim.fleet import FleetConfig
+
+
+def _profile(*refs: tuple[str, float]) -> dict[str, Any]:
+    plugins: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for name, _ in refs:
+        if name not in seen:
+            entry: dict[str, Any] = {"type": name}
+            if name == "prefix-cache-scorer":
+                entry["parameters"] = {"blockSize": 64, "lruCapacity": 500_000}
+            plugins.append(entry)
+            seen.add(name)
+    plugins.append({"type": "max-score-picker"})
+    return {
+        "plugins": plugins,
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [
+                    *({"pluginRef": n, "weight": w} for n, w in refs),
+                    {"pluginRef": "max-score-picker"},
+                ],
+            }
+        ],
+    }
+
+
+LLMD_SCHEDULERS: dict[str, dict[str, Any]] = {
+    "precise": _profile(
+        ("precise-prefix-cache-scorer", 3), ("kv-cache-utilization-scorer", 2), ("queue-scorer", 2)
+    ),
+    "approximate": _profile(
+        ("prefix-cache-scorer", 1), ("kv-cache-utilization-scorer", 1), ("queue-scorer", 1)
+    ),
+    "load": _profile(("queue-scorer", 1), ("kv-cache-utilization-scorer", 1)),
+    "random": {
+        "plugins": [{"type": "random-picker"}],
+        "schedulingProfiles": [{"name": "default", "plugins": [{"pluginRef": "random-picker"}]}],
+    },
+}
+"""The scorer weights of llm-d's benchmark (precise: prefix 3, KV 2, queue 2; approximate: 1 each)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """One row of a published results table (``None`` where the table has no figure)."""
+
+    output_tok_s: float
+    ttft_p90_s: float
+    req_s: float | None = None
+    ttft_mean_s: float | None = None
+    itl_mean_s: float | None = None
+    queue_mean: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ScenarioPreset:
+    """A fleet + workload + schedulers to compare, with the published results they are checked against."""
+
+    name: str
+    description: str
+    fleet: FleetConfig
+    workload: SharedPrefixWorkload
+    schedulers: dict[str, dict[str, Any]]
+    published: dict[str, Published] = field(default_factory=dict)
+    notes: str = ""
+
+    def fleet_for(self, policy: str) -> FleetConfig:
+        """The fleet config with ``policy``: one of this preset's schedulers or any policy name."""
+        cfg = self.fleet
+        return FleetConfig(
+            num_replicas=cfg.num_replicas,
+            model_preset=cfg.model_preset,
+            policy=self.schedulers.get(policy, policy),
+            block_size=cfg.block_size,
+            kv_capacity_tokens=cfg.kv_capacity_tokens,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs,
+            path_latency_s=cfg.path_latency_s,
+            request_timeout_s=cfg.request_timeout_s,
+            metrics_interval_s=cfg.metrics_interval_s,
+            queue_sample_interval_s=cfg.queue_sample_interval_s,
+            seed=cfg.seed,
+        )
+
+
+OUTPUT_LEN_73 = 245
+"""Mean output tokens per request implied by the published table: 8730 output tok/s ÷ 35.56 req/s."""
+
+_STAGES_73 = [
+    (15, 50), (3, 20), (10, 20), (15, 20), (20, 38), (22, 34), (25, 30), (30, 25), (35, 21),
+    (40, 38), (43, 36), (46, 33), (49, 30), (52, 29), (55, 27), (57, 26), (60, 25),
+]  # fmt: skip
+
+LLMD_73 = ScenarioPreset(
+    name="llmd-73-capacity",
+    description="Qwen3-32B, 8 pods TP2 on H100, 307,328 KV tokens per pod; shared_prefix 150 groups × 5 "
+    "prompts, 6000 + 1200 tokens in, 1000 out; resident set ≈ 73% of fleet KV",
+    fleet=FleetConfig(
+        num_replicas=8,
+        model_preset="qwen3-32b-h100-tp2",
+        block_size=64,
+        kv_capacity_tokens=307_328,
+        metrics_interval_s=0.05,
+    ),
+    workload=SharedPrefixWorkload(
+        num_groups=150,
+        num_prompts_per_group=5,
+        system_prompt_len=6000,
+        question_len=1200,
+        output_len=OUTPUT_LEN_73,
+        stages=[Stage(float(r), float(d)) for r, d in _STAGES_73],
+        arrival="poisson",
+        seed=0,
+        name="llmd-73-capacity",
+    ),
+    schedulers=LLMD_SCHEDULERS,
+    published={
+        "precise": Published(8730, 0.542, 35.56, 0.298, 0.026, 0.1),
+        "approximate": Published(6944, 31.08, 36.07, 13.32, 0.024, 8.1),
+        "load": Published(4266, 94.87, 36.30, 46.99, 0.024, 28.9),
+        "random": Published(4429, 92.55, 35.67, 45.28, 0.025, 27.3),
+    },
+)
+
+_STAGES_37 = [(r * 0.6, d) for r, d in _STAGES_73]
+
+LLMD_37 = ScenarioPreset(
+    name="llmd-37-capacity",
+    description="Llama-3.1-70B, 4 pods TP4 on H100; shared_prefix 83 groups × 3 prompts, 8000 + 1000 tokens "
+    "in, 1000 out; resident set ≈ 37% of fleet KV",
+    fleet=FleetConfig(
+        num_replicas=4,
+        model_preset="llama-3.1-70b-h100-tp4",
+        block_size=64,
+        kv_capacity_tokens=617_000,
+        metrics_interval_s=0.05,
+    ),
+    workload=SharedPrefixWorkload(
+        num_groups=83,
+        num_prompts_per_group=3,
+        system_prompt_len=8000,
+        question_len=1000,
+        output_len=1000,
+        stages=[Stage(round(r, 2), float(d)) for r, d in _STAGES_37],
+        arrival="poisson",
+        seed=0,
+        name="llmd-37-capacity",
+    ),
+    schedulers=LLMD_SCHEDULERS,
+    published={
+        "precise": Published(5650, 0.275),
+        "approximate": Published(5096, 7.54),
+        "load": Published(3018, 78.3),
+        "random": Published(2895, 84.6),
+    },
+)
+
+PRESETS: dict[str, ScenarioPreset] = {p.name: p for p in (LLMD_73, LLMD_37)}
+
+
+def get_scenario(name: str) -> ScenarioPreset:
+    """Look a scenario up by name.
+
+    Raises:
+        ConfigError: unknown name (the message lists the known ones).
+    """
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown sim preset {name!r}; known: {', '.join(PRESETS)}") from None

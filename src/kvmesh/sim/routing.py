@@ -1,0 +1,158 @@
+"""The router inside the simulator: the real scheduler, index and event applier, in virtual time.
+
+Replicas' device-tier KV events go through the router's own :class:`EventApplier` (re-hashing the
+events' token ids, exactly as for live engines) into its :class:`InMemoryIndex`; each arrival is
+routed by :meth:`Scheduler.pick`. What differs from a live router is only where the endpoint gauges
+come from: the simulator snapshots the replicas' queue and KV usage every ``metrics_interval_s`` of
+virtual time, the way the gateway scrapes ``/metrics``, while ``in_flight`` (the router's own count)
+is always current.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvmesh.core.events import KVEvent
+from kvmesh.core.hashing import HashAlgo
+from kvmesh.core.types import PodId
+from kvmesh.errors import ConfigError
+from kvmesh.router.index import InMemoryIndex
+from kvmesh.router.ingest import EventApplier
+from kvmesh.router.scheduler import PRESET_NAMES, Scheduler, load_scheduler_config
+from kvmesh.router.types import EndpointState, RoutingRequest
+from kvmesh.sim.replica import SimReplica, SimRequest
+
+SIM_MODEL = "sim"
+"""Model name in every simulated namespace (engines' caches and the router's applier agree on it)."""
+
+SIM_HASH_ALGO = HashAlgo.XXH3
+
+TTFT_ESTIMATE = "ttft-estimate"
+POLICY_NAMES = (*PRESET_NAMES, TTFT_ESTIMATE)
+
+
+def ttft_estimate_config(
+    prefill_tokens_per_s: float, queued_request_s: float, kv_bytes_per_token: int, shared_gbps: float
+) -> dict[str, Any]:
+    """A scheduler that sends each request where its predicted TTFT is lowest.
+
+    The scorer's parameters come from the replica's cost model so its estimate is in the same units
+    as the simulated engine (GB/s per tier: CPU over PCIe, the shared tier over the network).
+    """
+    return {
+        "plugins": [
+            {
+                "type": "ttft-estimate-scorer",
+                "parameters": {
+                    "prefillTokensPerSecond": prefill_tokens_per_s,
+                    "queuedRequestSeconds": queued_request_s,
+                    "kvBytesPerToken": float(kv_bytes_per_token),
+                    "tierGBps": {"GPU": 0.0, "CPU": 50.0, "SHARED": shared_gbps / 8},
+                },
+            },
+            {"type": "max-score-picker"},
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [
+                    {"pluginRef": "ttft-estimate-scorer", "weight": 1},
+                    {"pluginRef": "max-score-picker"},
+                ],
+            }
+        ],
+    }
+
+
+def resolve_policy(policy: str | Mapping[str, Any]) -> dict[str, Any]:
+    """A scheduler config from a preset name, a YAML path or a mapping (ttft-estimate is built later).
+
+    Raises:
+        ConfigError: unknown preset or unreadable file.
+    """
+    if isinstance(policy, Mapping):
+        return dict(policy)
+    if policy in PRESET_NAMES or Path(policy).is_file():
+        return load_scheduler_config(policy)
+    raise ConfigError(
+        f"unknown policy {policy!r}; presets: {', '.join(POLICY_NAMES)}, or a scheduler YAML file"
+    )
+
+
+class SimRouter:
+    """Routes simulated requests with the router's scheduler.
+
+    Args:
+        scheduler_config: parsed scheduler YAML (``plugins`` + ``schedulingProfiles``).
+        replicas: the fleet, in pod order.
+        block_size: the engines' block size (the index and scheduler use the same).
+        seed: seeds the scheduler's random source.
+        metrics_interval_s: staleness of the queue / KV-usage gauges the scorers see.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: Mapping[str, Any],
+        replicas: Sequence[SimReplica],
+        *,
+        block_size: int,
+        seed: int = 0,
+        metrics_interval_s: float = 0.05,
+    ) -> None:
+        self.index = InMemoryIndex(capacity=50_000_000)
+        self.applier = EventApplier(self.index, model=SIM_MODEL, block_size=block_size, algo=SIM_HASH_ALGO)
+        self.scheduler = Scheduler.from_config(
+            scheduler_config,
+            index=self.index,
+            block_size=block_size,
+            hash_algo=SIM_HASH_ALGO,
+            rng=random.Random(seed),
+        )
+        self.namespace = self.applier.namespace()
+        self.replicas = list(replicas)
+        self._by_pod = {r.pod: r for r in self.replicas}
+        self.metrics_interval_s = metrics_interval_s
+        self._states = [EndpointState(r.pod) for r in self.replicas]
+        self._in_flight = [0] * len(self.replicas)
+        self._scraped_at = -1.0
+        self.num_routed = 0
+        self.num_unroutable = 0
+
+    def on_events(self, pod: PodId, events: list[KVEvent]) -> None:
+        """Apply a replica's KV events to the index (the subscriber's job in a live router)."""
+        apply = self.applier.apply
+        for event in events:
+            apply(pod, event)
+
+    def _scrape(self, now: float) -> None:
+        for state, replica in zip(self._states, self.replicas, strict=True):
+            state.waiting = replica.num_waiting
+            state.running = replica.num_running
+            state.kv_cache_usage = replica.kv_usage
+        self._scraped_at = now
+
+    def route(self, req: SimRequest, now: float) -> SimReplica | None:
+        """Pick the replica for ``req``; ``None`` if the scheduler finds no endpoint."""
+        if now - self._scraped_at >= self.metrics_interval_s:
+            self._scrape(now)
+        states = self._states
+        for state, n in zip(states, self._in_flight, strict=True):
+            state.in_flight = n
+        decision = self.scheduler.pick(
+            RoutingRequest(req.request_id, req.tokens, self.namespace), list(states)
+        )
+        if decision is None:
+            self.num_unroutable += 1
+            return None
+        replica = self._by_pod[decision.endpoint]
+        self._in_flight[replica.index] += 1
+        self.num_routed += 1
+        return replica
+
+    def done(self, req: SimRequest) -> None:
+        """The router saw ``req``'s response end."""
+        if req.replica >= 0:
+            self._in_flight[req.replica] -= 1

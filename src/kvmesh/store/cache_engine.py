@@ -1,0 +1,251 @@
+"""Token-level store API: what an engine calls to find, load and save prefix KV.
+
+A prompt's tokens are cut into chunks of ``chunk_size`` tokens; chunk ``i`` is keyed by the chain
+value at its last block (:meth:`kvmesh.core.hashing.BlockHasher.chunk_keys` over the store
+namespace), so a chunk's key names its whole prefix. KV crosses this API as one array shaped
+``(L, 2, H, T, D)`` (float32, float16, or bfloat16 carried as uint16 bit patterns)::
+
+    tokens   | chunk 0 (chunk_size) | chunk 1 | chunk 2 | partial |
+    store    |   kv[..., 0:C, :]    |  ...    |  ...    | (never) |
+
+Every method is a coroutine for the engine's event loop: tier I/O happens in worker threads or
+over asyncio sockets, writes to slow tiers are queued, and a failing tier yields misses, never
+exceptions. Only caller misuse (a KV array of the wrong shape) raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
+from kvmesh.store.codec import kv_dtype_name
+from kvmesh.store.config import StoreConfig, resolve_config
+from kvmesh.store.factory import build_store
+from kvmesh.store.keys import StoreKey, namespace_group
+from kvmesh.store.metrics import StoreMetrics
+from kvmesh.store.tiered import FoundChunk, TieredStore
+
+_ENCODE_IN_THREAD_BYTES = 1 << 20
+_MAX_HASHERS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RetrieveResult:
+    """KV of the longest stored prefix.
+
+    ``kv`` is a fresh writable array shaped (L, 2, H, num_tokens, D), ``None`` when nothing was
+    found; ``tier`` is the slowest tier that served part of it ("cpu", "disk", "redis", "fs").
+    """
+
+    num_tokens: int
+    kv: np.ndarray | None
+    tier: str | None
+
+    @classmethod
+    def miss(cls) -> RetrieveResult:
+        return cls(0, None, None)
+
+
+class KVCacheEngine:
+    """Chunked prefix KV over a :class:`~kvmesh.store.tiered.TieredStore`.
+
+    Args:
+        store: the tiers.
+        config: chunking, hashing and default KV format.
+    """
+
+    def __init__(self, store: TieredStore, config: StoreConfig) -> None:
+        self.tiered = store
+        self.config = config
+        self.chunk_size = config.chunk_size
+        self.block_size = config.block_size
+        self.hash_algo = HashAlgo(config.hash_algo)
+        self.kv_dtype = config.kv_dtype
+        self.kv_layout = config.kv_layout
+        self._hashers: dict[Namespace, BlockHasher] = {}
+
+    @classmethod
+    def from_config(
+        cls, config: StoreConfig | str | os.PathLike[str] | None, *, metrics: StoreMetrics | None = None
+    ) -> KVCacheEngine:
+        """Build from a config, a YAML path, a URL shorthand ("memory", "redis://…", "valkey://…",
+        "file:///dir"), or ``None`` (a RAM tier, plus ``KVMESH_*`` overrides).
+
+        Raises:
+            ConfigError: an invalid configuration.
+        """
+        resolved = resolve_config(config)
+        return cls(build_store(resolved, metrics), resolved)
+
+    @property
+    def metrics(self) -> StoreMetrics:
+        return self.tiered.metrics
+
+    def bind_layout(self, kv_dtype: str, kv_layout: str) -> None:
+        """Set the KV format used for namespaces that do not name one (the engine's model)."""
+        self.kv_dtype = kv_dtype
+        self.kv_layout = kv_layout
+        self._hashers.clear()
+
+    def _hasher(self, namespace: Namespace) -> BlockHasher:
+        hasher = self._hashers.get(namespace)
+        if hasher is None:
+            store_ns = namespace if namespace.kv_dtype else namespace.for_store(self.kv_dtype, self.kv_layout)
+            if len(self._hashers) >= _MAX_HASHERS:
+                self._hashers.clear()
+            hasher = BlockHasher(store_ns, block_size=self.block_size, algo=self.hash_algo)
+            self._hashers[namespace] = hasher
+        return hasher
+
+    def chunk_keys(
+        self, tokens: Sequence[int], namespace: Namespace, max_chunks: int | None = None
+    ) -> list[StoreKey]:
+        """Store keys of the full chunks of ``tokens``."""
+        n_chunks = len(tokens) // self.chunk_size
+        if max_chunks is not None:
+            n_chunks = min(n_chunks, max_chunks)
+        if n_chunks <= 0:
+            return []
+        hasher = self._hasher(namespace)
+        group = namespace_group(namespace)
+        keys = hasher.chunk_keys(tokens[: n_chunks * self.chunk_size], self.chunk_size)
+        return [StoreKey(group, k) for k in keys]
+
+    async def lookup(self, tokens: Sequence[int], namespace: Namespace) -> int:
+        """Prefix tokens the tiers hold (a multiple of ``chunk_size``); reads no payload."""
+        keys = self.chunk_keys(tokens, namespace)
+        if not keys:
+            return 0
+        return await self.tiered.count_prefix(keys) * self.chunk_size
+
+    async def retrieve(
+        self, tokens: Sequence[int], namespace: Namespace, max_tokens: int | None = None
+    ) -> RetrieveResult:
+        """Load the KV of the longest stored prefix of ``tokens``.
+
+        Args:
+            tokens: the prompt.
+            namespace: model, revision, LoRA, tenant (KV format from :meth:`bind_layout` if unset).
+            max_tokens: load at most this many tokens (rounded down to whole chunks).
+
+        Returns:
+            The prefix KV; a miss (0 tokens) when nothing usable was found.
+        """
+        max_chunks = None if max_tokens is None else max(0, max_tokens) // self.chunk_size
+        keys = self.chunk_keys(tokens, namespace, max_chunks)
+        if not keys:
+            return RetrieveResult.miss()
+        found = (await self.tiered.get_prefix(keys)).chunks
+        chunks = self._consistent_prefix(found)
+        if not chunks:
+            return RetrieveResult.miss()
+        arrays = [c.chunk.kv for c in chunks]
+        total = sum(a.nbytes for a in arrays)
+        if total > _ENCODE_IN_THREAD_BYTES:
+            kv = await asyncio.to_thread(np.concatenate, arrays, 3)
+        else:
+            kv = np.concatenate(arrays, axis=3)
+        order = {t.name: n for n, t in enumerate(self.tiered.tiers)}
+        slowest = max((c.tier for c in chunks), key=lambda name: order.get(name, 0))
+        return RetrieveResult(kv.shape[3], kv, slowest)
+
+    def _consistent_prefix(self, found: list[FoundChunk]) -> list[FoundChunk]:
+        """Leading chunks that are whole chunks of one KV format (a chunk written with another
+        ``chunk_size`` can share a key at a common boundary; it ends the prefix)."""
+        out: list[FoundChunk] = []
+        for item in found:
+            header = item.chunk.header
+            shape = header.shape
+            if header.num_tokens != self.chunk_size:
+                break
+            if out:
+                first = out[0].chunk.header
+                if (first.dtype, first.shape[:3], first.shape[4]) != (header.dtype, shape[:3], shape[4]):
+                    break
+            elif self.kv_dtype and header.dtype != self.kv_dtype:
+                break
+            out.append(item)
+        return out
+
+    async def store(
+        self, tokens: Sequence[int], namespace: Namespace, kv: np.ndarray, *, skip_tokens: int = 0
+    ) -> None:
+        """Save the full chunks of ``kv``, which covers ``tokens[0:kv.shape[3]]``.
+
+        Chunks that end within the first ``skip_tokens`` tokens, and chunks the fastest tier
+        already holds, are skipped. The RAM tier is written before this returns; slower tiers are
+        written by background workers (a full queue drops the write and counts it).
+
+        Raises:
+            ValueError: ``kv`` is not (L, 2, H, T, D) with T ≤ len(tokens), or its dtype disagrees
+                with the bound KV dtype.
+        """
+        if kv.ndim != 5 or kv.shape[1] != 2:
+            raise ValueError(f"kv must be shaped (L, 2, H, T, D), got {kv.shape}")
+        if kv.shape[3] > len(tokens):
+            raise ValueError(f"kv covers {kv.shape[3]} tokens but only {len(tokens)} tokens were given")
+        dtype = kv_dtype_name(kv)
+        if self.kv_dtype and dtype != self.kv_dtype:
+            raise ValueError(f"kv dtype is {dtype} but the store is bound to {self.kv_dtype}")
+        keys = self.chunk_keys(tokens[: kv.shape[3]], namespace)
+        first = max(0, skip_tokens) // self.chunk_size
+        todo = list(range(first, len(keys)))
+        if not todo:
+            return
+        held = await self.tiered.held_by_first_tier([keys[i] for i in todo])
+        todo = [i for i, h in zip(todo, held, strict=True) if not h]
+        if not todo:
+            return
+        codec = self.tiered.codec
+        c = self.chunk_size
+
+        def encode() -> list[tuple[StoreKey, bytes]]:
+            return [
+                (keys[i], codec.encode(keys[i], kv[:, :, :, i * c : (i + 1) * c, :], dtype)) for i in todo
+            ]
+
+        if kv.nbytes * len(todo) // max(1, len(keys)) > _ENCODE_IN_THREAD_BYTES:
+            items = await asyncio.to_thread(encode)
+        else:
+            items = encode()
+        await self.tiered.put(items)
+
+    async def flush(self, namespace: Namespace | None = None) -> int:
+        """Delete every chunk of ``namespace``'s model, revision and LoRA (all tenants and KV
+        formats), or every chunk when ``None``; returns chunks removed over reachable tiers."""
+        group = None if namespace is None else namespace_group(namespace)
+        removed = await self.tiered.flush(group)
+        return sum(n for n in removed.values() if n is not None)
+
+    async def drain(self) -> None:
+        """Wait for queued writes to be attempted (tests, tools, orderly shutdown)."""
+        await self.tiered.drain()
+
+    def stats(self) -> dict[str, object]:
+        """Counters, breaker states and sizes known without I/O."""
+        tiers = {
+            s.name: {
+                **s.counters.to_dict(),
+                "breaker": ("closed", "half_open", "open")[s.breaker_state],
+                "queue_bytes": s.queue_bytes,
+                "num_bytes": s.num_bytes,
+                "num_evictions": s.num_evictions,
+            }
+            for s in self.tiered.snapshots()
+        }
+        return {
+            "chunk_size": self.chunk_size,
+            "codec": self.tiered.codec.codec.value,
+            "lookup_chunks": self.tiered.num_lookup_chunks,
+            "lookup_hit_chunks": self.tiered.num_lookup_hit_chunks,
+            "tiers": tiers,
+        }
+
+    async def aclose(self) -> None:
+        """Finish queued writes (bounded wait) and close every tier."""
+        await self.tiered.aclose()

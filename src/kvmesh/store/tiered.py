@@ -1,0 +1,450 @@
+"""TieredStore: ordered tiers behind one prefix-oriented API that never raises for a bad tier.
+
+::
+
+    fastest ─────────────────────────────────────────────► slowest
+    cpu (memory)        disk            redis / valkey / fs
+    written inline      ─── written by one worker task per tier, fed by a bounded queue ───
+
+Reads (``count_prefix`` / ``get_prefix``) take the keys of consecutive chunks of one prompt. A
+chunk is available when any tier holds it; the first chunk no tier holds ends the prefix (a gap
+truncates the hit, later chunks are useless without it). Chunks are fetched from the fastest tier
+that holds them, verified by the codec (a corrupt chunk is deleted, counted and looked for in the
+next tier) and copied into the faster tiers (promotion). Concurrent reads of one chunk share one
+fetch (single-flight).
+
+Every tier call goes through the tier's circuit breaker and per-tier timeout. A timeout, a
+:class:`~kvmesh.errors.TierUnavailableError` or an open breaker turns into a miss (reads) or a
+dropped write, counted in the tier's :class:`~kvmesh.store.metrics.TierCounters`; it never
+reaches the caller. Writes to queued tiers never wait for the tier: a full queue drops the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TypeVar
+
+from kvmesh.errors import CorruptChunkError, TierUnavailableError
+from kvmesh.store.backends.base import Backend
+from kvmesh.store.breaker import CircuitBreaker
+from kvmesh.store.codec import ChunkCodec, DecodedChunk
+from kvmesh.store.keys import StoreKey
+from kvmesh.store.metrics import StoreMetrics, TierCounters, TierSnapshot
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_DECODE_IN_THREAD_BYTES = 1 << 20
+_CLOSE_DRAIN_S = 5.0
+
+
+@dataclass(slots=True)
+class Tier:
+    """One tier and how the store treats it.
+
+    Args:
+        name: label in results and metrics ("cpu", "disk", "redis", "fs").
+        backend: the storage.
+        timeout_s: limit of one call to the backend; ``None`` for no limit (memory).
+        breaker: the tier's circuit breaker.
+        queued: writes go through a bounded queue and a worker task instead of inline.
+        max_queue_bytes: bytes of encoded chunks the queue may hold; beyond, writes are dropped.
+        promote: copy chunks found in slower tiers into this one.
+    """
+
+    name: str
+    backend: Backend
+    timeout_s: float | None = None
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    queued: bool = False
+    max_queue_bytes: int = 256 << 20
+    promote: bool = True
+    counters: TierCounters = field(default_factory=TierCounters)
+    queue_bytes: int = 0
+    _queue: asyncio.Queue[_WriteOp | None] | None = field(default=None, init=False, repr=False)
+    _worker: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+
+
+@dataclass(slots=True)
+class _WriteOp:
+    kind: str
+    """"put" (skip keys the tier already holds), "promote" (put as is) or "delete"."""
+    items: list[tuple[StoreKey, bytes]] = field(default_factory=list)
+    keys: list[StoreKey] = field(default_factory=list)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(len(v) for _, v in self.items)
+
+
+@dataclass(slots=True)
+class FoundChunk:
+    """A verified chunk and the tier that served it."""
+
+    chunk: DecodedChunk
+    tier: str
+    data: bytes
+
+
+@dataclass(slots=True)
+class PrefixResult:
+    """The longest run of leading chunks the tiers could serve."""
+
+    chunks: list[FoundChunk]
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+
+class TieredStore:
+    """Ordered tiers (fastest first) with prefix reads, write-through and promotion.
+
+    Args:
+        tiers: fastest first; names must be unique.
+        codec: verifies (and, for the caller, encodes) chunks.
+        metrics: where latencies go and whose collector reads the counters.
+    """
+
+    def __init__(self, tiers: Sequence[Tier], codec: ChunkCodec, metrics: StoreMetrics | None = None) -> None:
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique, got {names}")
+        self.tiers = list(tiers)
+        self.codec = codec
+        self.metrics = metrics if metrics is not None else StoreMetrics()
+        self.num_lookup_chunks = 0
+        self.num_lookup_hit_chunks = 0
+        self._inflight: dict[StoreKey, asyncio.Future[FoundChunk | None]] = {}
+        self._closed = False
+        self.metrics.attach(self.snapshots, self._lookup_totals)
+
+    # ----------------------------------------------------------------- tier calls
+
+    async def _call(self, tier: Tier, op: str, fn: Callable[[], Awaitable[T]]) -> T | None:
+        """Run one backend call under the tier's breaker and timeout; ``None`` when it failed."""
+        if not tier.breaker.allow():
+            tier.counters.breaker_rejections += 1
+            return None
+        start = time.perf_counter()
+        try:
+            if tier.timeout_s is None:
+                result = await fn()
+            else:
+                result = await asyncio.wait_for(fn(), tier.timeout_s)
+        except TimeoutError:
+            tier.counters.timeouts += 1
+            tier.breaker.record_failure()
+            log.warning("store tier %s: %s timed out after %.3f s", tier.name, op, tier.timeout_s)
+            return None
+        except TierUnavailableError as exc:
+            tier.counters.unavailable += 1
+            tier.breaker.record_failure()
+            log.warning("store tier %s: %s failed: %s", tier.name, op, exc)
+            return None
+        tier.breaker.record_success()
+        self.metrics.observe(tier.name, op, time.perf_counter() - start)
+        return result
+
+    # ----------------------------------------------------------------- reads
+
+    async def count_prefix(self, keys: Sequence[StoreKey]) -> int:
+        """How many leading ``keys`` some tier holds (no payload is read)."""
+        holder = await self._locate(keys)
+        n = 0
+        while n < len(keys) and holder[n] is not None:
+            n += 1
+        self.num_lookup_chunks += len(keys)
+        self.num_lookup_hit_chunks += n
+        return n
+
+    async def _locate(self, keys: Sequence[StoreKey]) -> list[int | None]:
+        """For each key, the index of the fastest reachable tier that holds it."""
+        holder: list[int | None] = [None] * len(keys)
+        for t, tier in enumerate(self.tiers):
+            missing = [i for i, h in enumerate(holder) if h is None]
+            if not missing:
+                break
+            answer = await self._call(
+                tier, "exists", partial(tier.backend.exists_many, [keys[i] for i in missing])
+            )
+            if answer is None:
+                continue
+            for i, present in zip(missing, answer, strict=True):
+                if present:
+                    holder[i] = t
+        return holder
+
+    async def get_prefix(self, keys: Sequence[StoreKey]) -> PrefixResult:
+        """Fetch the longest leading run of ``keys`` that the tiers can serve, verified.
+
+        Returns:
+            The chunks in order; fewer than ``keys`` when a chunk is missing everywhere, fails
+            verification everywhere, or sits only behind a failing tier.
+        """
+        holder = await self._locate(keys)
+        bound = 0
+        while bound < len(keys) and holder[bound] is not None:
+            bound += 1
+        found: list[FoundChunk | None] = [None] * bound
+        mine: dict[int, asyncio.Future[FoundChunk | None]] = {}
+        theirs: dict[int, asyncio.Future[FoundChunk | None]] = {}
+        loop = asyncio.get_running_loop()
+        for i in range(bound):
+            shared = self._inflight.get(keys[i])
+            if shared is not None:
+                theirs[i] = shared
+            else:
+                fut: asyncio.Future[FoundChunk | None] = loop.create_future()
+                self._inflight[keys[i]] = fut
+                mine[i] = fut
+        try:
+            await self._fetch(keys, holder, sorted(mine), found)
+        finally:
+            for i, fut in mine.items():
+                if not fut.done():
+                    fut.set_result(found[i])
+                if self._inflight.get(keys[i]) is fut:
+                    del self._inflight[keys[i]]
+        for i, fut in theirs.items():
+            found[i] = await asyncio.shield(fut)
+        chunks: list[FoundChunk] = []
+        for item in found:
+            if item is None:
+                break
+            chunks.append(item)
+        await self._maybe_promote(keys, chunks)
+        return PrefixResult(chunks)
+
+    async def _fetch(
+        self,
+        keys: Sequence[StoreKey],
+        holder: list[int | None],
+        wanted: list[int],
+        found: list[FoundChunk | None],
+    ) -> None:
+        """Fill ``found[i]`` for ``i`` in ``wanted``, tier by tier; a failed key falls to later tiers."""
+        for t, tier in enumerate(self.tiers):
+            todo = [i for i in wanted if found[i] is None and _held_by(holder[i], t)]
+            if not todo:
+                continue
+            batch = [keys[i] for i in todo]
+            values = await self._call(tier, "get", partial(tier.backend.get_many, batch))
+            if values is None:
+                continue
+            decoded = await self._verify(tier, batch, values)
+            for i, value, chunk in zip(todo, values, decoded, strict=True):
+                if chunk is None or value is None:
+                    tier.counters.misses += 1
+                    continue
+                tier.counters.hits += 1
+                tier.counters.bytes_read += len(value)
+                found[i] = FoundChunk(chunk, tier.name, value)
+
+    async def _verify(
+        self, tier: Tier, keys: list[StoreKey], values: list[bytes | None]
+    ) -> list[DecodedChunk | None]:
+        def run() -> list[DecodedChunk | BaseException | None]:
+            out: list[DecodedChunk | BaseException | None] = []
+            for key, value in zip(keys, values, strict=True):
+                if value is None:
+                    out.append(None)
+                    continue
+                try:
+                    out.append(self.codec.decode(value, expected=key))
+                except CorruptChunkError as exc:
+                    out.append(exc)
+            return out
+
+        total = sum(len(v) for v in values if v is not None)
+        results = await asyncio.to_thread(run) if total > _DECODE_IN_THREAD_BYTES else run()
+        corrupt: list[StoreKey] = []
+        decoded: list[DecodedChunk | None] = []
+        for key, result in zip(keys, results, strict=True):
+            if isinstance(result, BaseException):
+                tier.counters.corrupt += 1
+                log.warning("store tier %s: corrupt chunk %s deleted: %s", tier.name, key.name(), result)
+                corrupt.append(key)
+                decoded.append(None)
+            else:
+                decoded.append(result)
+        if corrupt:
+            await self._write(tier, _WriteOp("delete", keys=corrupt))
+        return decoded
+
+    async def _maybe_promote(self, keys: Sequence[StoreKey], chunks: list[FoundChunk]) -> None:
+        index = {t.name: n for n, t in enumerate(self.tiers)}
+        for n, tier in enumerate(self.tiers):
+            if not tier.promote:
+                continue
+            items = [(keys[i], c.data) for i, c in enumerate(chunks) if index[c.tier] > n]
+            if not items:
+                continue
+            tier.counters.promotions += len(items)
+            if tier.queued:
+                self._enqueue(tier, _WriteOp("promote", items=items))
+            else:
+                await self._write(tier, _WriteOp("promote", items=items))
+
+    # ----------------------------------------------------------------- writes
+
+    async def held_by_first_tier(self, keys: Sequence[StoreKey]) -> list[bool]:
+        """Whether the fastest tier holds each key (all ``False`` when it cannot answer)."""
+        if not self.tiers or not keys:
+            return [False] * len(keys)
+        tier = self.tiers[0]
+        answer = await self._call(tier, "exists", partial(tier.backend.exists_many, list(keys)))
+        return [False] * len(keys) if answer is None else answer
+
+    async def put(self, items: Sequence[tuple[StoreKey, bytes]]) -> None:
+        """Write encoded chunks to every tier: inline tiers now, queued tiers by their worker.
+
+        A tier that already holds a key skips it. Never raises for a tier failure and never waits
+        for a queued tier.
+        """
+        if not items:
+            return
+        batch = list(items)
+        for tier in self.tiers:
+            if tier.queued:
+                self._enqueue(tier, _WriteOp("put", items=batch))
+            else:
+                await self._write(tier, _WriteOp("put", items=batch))
+
+    def _enqueue(self, tier: Tier, op: _WriteOp) -> None:
+        size = op.num_bytes
+        if self._closed or tier.queue_bytes + size > tier.max_queue_bytes:
+            tier.counters.dropped_writes += len(op.items) or len(op.keys)
+            return
+        if tier._queue is None:
+            tier._queue = asyncio.Queue()
+            tier._worker = asyncio.get_running_loop().create_task(
+                self._drain_queue(tier), name=f"kvmesh-store-{tier.name}-writer"
+            )
+        tier.queue_bytes += size
+        tier._queue.put_nowait(op)
+
+    async def _drain_queue(self, tier: Tier) -> None:
+        queue = tier._queue
+        assert queue is not None, "writer started without a queue"
+        while True:
+            op = await queue.get()
+            try:
+                if op is None:
+                    return
+                await self._write(tier, op)
+            except Exception:
+                log.exception("store tier %s: write worker error", tier.name)
+                if op is not None:
+                    tier.counters.dropped_writes += len(op.items)
+            finally:
+                if op is not None:
+                    tier.queue_bytes -= op.num_bytes
+                queue.task_done()
+
+    async def _write(self, tier: Tier, op: _WriteOp) -> None:
+        backend = tier.backend
+        if op.kind == "delete":
+            await self._call(tier, "delete", partial(backend.delete_many, op.keys))
+            return
+        items = op.items
+        if op.kind == "put":
+            present = await self._call(tier, "exists", partial(backend.exists_many, [k for k, _ in items]))
+            if present is None:
+                tier.counters.dropped_writes += len(items)
+                return
+            items = [item for item, held in zip(items, present, strict=True) if not held]
+            if not items:
+                return
+        stored = await self._call(tier, "put", partial(backend.put_many, items))
+        if stored is None:
+            tier.counters.dropped_writes += len(items)
+            return
+        tier.counters.bytes_written += sum(len(v) for _, v in items)
+
+    async def drain(self) -> None:
+        """Wait until every queued write issued so far has been attempted."""
+        for tier in self.tiers:
+            if tier._queue is not None:
+                await tier._queue.join()
+
+    # ----------------------------------------------------------------- admin
+
+    async def delete(self, keys: Sequence[StoreKey]) -> None:
+        """Delete ``keys`` from every tier (queued tiers through their queue)."""
+        for tier in self.tiers:
+            op = _WriteOp("delete", keys=list(keys))
+            if tier.queued:
+                self._enqueue(tier, op)
+            else:
+                await self._write(tier, op)
+
+    async def flush(self, group: str | None = None) -> dict[str, int | None]:
+        """Delete every chunk of ``group`` (all chunks when ``None``) from every tier.
+
+        Queued writes are drained first so none lands after the flush.
+
+        Returns:
+            Chunks removed per tier; ``None`` for a tier that could not be reached.
+        """
+        await self.drain()
+        out: dict[str, int | None] = {}
+        for tier in self.tiers:
+            out[tier.name] = await self._call(tier, "flush", partial(tier.backend.flush, group))
+        return out
+
+    def snapshots(self) -> list[TierSnapshot]:
+        """Counters and gauges of every tier (what the metrics collector reads)."""
+        return [
+            TierSnapshot(
+                name=t.name,
+                counters=t.counters,
+                breaker_state=int(t.breaker.state),
+                queue_bytes=t.queue_bytes,
+                num_evictions=int(getattr(t.backend, "num_evictions", 0)),
+                num_bytes=int(getattr(t.backend, "num_bytes", -1)),
+            )
+            for t in self.tiers
+        ]
+
+    def _lookup_totals(self) -> tuple[int, int]:
+        return self.num_lookup_chunks, self.num_lookup_hit_chunks
+
+    async def stats(self) -> dict[str, object]:
+        """Per-tier backend stats (``None`` for an unreachable tier), breaker and counters."""
+        tiers: dict[str, object] = {}
+        for tier in self.tiers:
+            backend = tier.backend
+            bstats = await self._call(tier, "stats", backend.stats)
+            tiers[tier.name] = {
+                "backend": None if bstats is None else bstats.to_dict(),
+                "breaker": tier.breaker.state.name.lower(),
+                "queue_bytes": tier.queue_bytes,
+                "counters": tier.counters.to_dict(),
+            }
+        return {"tiers": tiers}
+
+    async def aclose(self) -> None:
+        """Finish queued writes (up to 5 s), stop the workers and close every backend."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.drain(), _CLOSE_DRAIN_S)
+        for tier in self.tiers:
+            if tier._worker is not None:
+                tier._worker.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await tier._worker
+                tier._worker = None
+            await tier.backend.aclose()
+
+
+def _held_by(holder: int | None, tier_index: int) -> bool:
+    """Whether a key located in tier ``holder`` may be fetched from tier ``tier_index``."""
+    return holder is not None and holder <= tier_index

@@ -1,0 +1,339 @@
+"""The gateway in-process (aiohttp test client) in front of real local test engines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import msgspec
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from router_fakes import MODEL, FakeEngine, free_port
+
+from kvmesh.router.config import router_config_from_dict
+from kvmesh.router.gateway import ENDPOINT_HEADER, Gateway
+
+PROMPT = list(range(3000, 3000 + 16 * 10))
+
+
+class ByteTokenizer:
+    """A test tokenizer: UTF-8 bytes as ids; chat rendered as "role: content" lines."""
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + list(text.encode())
+
+    def apply_chat_template(self, messages: Any, *, add_generation_prompt: bool = True) -> list[int]:
+        text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
+        return self.encode(text + ("assistant: " if add_generation_prompt else ""), add_special_tokens=False)
+
+
+@contextlib.asynccontextmanager
+async def gateway_client(engines: list[FakeEngine], **overrides: Any):
+    raw: dict[str, Any] = {
+        "endpoints": [{"url": e.url} for e in engines],
+        "policy": "precise",
+        "seed": 1,
+        "health": {"intervalS": 0.2, "timeoutS": 0.5, "failureThreshold": 2, "metricsIntervalS": 0.2},
+    }
+    raw.update(overrides)
+    gw = Gateway(router_config_from_dict(raw), tokenizer=ByteTokenizer())
+    client = TestClient(TestServer(gw.app))
+    await client.start_server()
+    try:
+        yield gw, client
+    finally:
+        await client.close()
+
+
+async def wait_for(cond, timeout: float = 5.0) -> float:
+    start = time.monotonic()
+    while not cond():
+        if time.monotonic() - start > timeout:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+    return time.monotonic() - start
+
+
+async def completion(client: TestClient, prompt: Any, headers: dict | None = None, **body: Any):
+    resp = await client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3, **body}, headers=headers
+    )
+    return resp, await resp.json()
+
+
+async def test_precise_routing_follows_the_prefix(engines):
+    es = await engines(3)
+    async with gateway_client(es) as (gw, client):
+        resp, body = await completion(client, PROMPT)
+        assert resp.status == 200
+        holder = resp.headers[ENDPOINT_HEADER]
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        await wait_for(lambda: gw.applier is not None and gw.applier.num_blocks(holder) == 10)  # type: ignore[arg-type]
+        for i in range(5):
+            resp, body = await completion(client, PROMPT + [i] * 20)
+            assert resp.headers[ENDPOINT_HEADER] == holder
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 160
+        metrics = await (await client.get("/metrics")).text()
+        assert "kvmesh_router_predicted_hit_tokens_total 800.0" in metrics
+        assert "kvmesh_router_realized_hit_tokens_total 800.0" in metrics
+        assert f'kvmesh_router_decisions_total{{endpoint="{holder}"}} 6.0' in metrics
+        assert 'kvmesh_router_scorer_seconds_count{scorer="precise-prefix-cache-scorer"} 6.0' in metrics
+        assert "kvmesh_router_index_ops_total" in metrics
+
+
+async def test_token_prompts_pass_through_untouched(engines):
+    (e,) = await engines(1)
+    async with gateway_client([e]) as (_, client):
+        sent = {
+            "model": MODEL,
+            "prompt": PROMPT,
+            "max_tokens": 2,
+            "temperature": 0.5,
+            "extra_field": {"x": [1]},
+        }
+        resp = await client.post("/v1/completions", json=sent)
+        assert resp.status == 200
+        assert e.received[-1] == sent
+
+
+async def test_tenant_header_salts_routing_and_engine_cache(engines):
+    es = await engines(2)
+    async with gateway_client(es) as (gw, client):
+        resp, body = await completion(client, PROMPT, headers={"x-tenant-id": "acme"})
+        holder = resp.headers[ENDPOINT_HEADER]
+        engine = next(e for e in es if e.url == holder)
+        assert engine.received[-1]["cache_salt"] == "acme"
+        assert engine.headers[-1]["x-tenant-id"] == "acme"
+        await wait_for(lambda: gw.applier is not None and gw.applier.num_blocks(holder) == 10)  # type: ignore[arg-type]
+        resp, body = await completion(client, PROMPT, headers={"x-tenant-id": "globex"})
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        resp, body = await completion(client, PROMPT, headers={"x-tenant-id": "acme"})
+        assert resp.headers[ENDPOINT_HEADER] == holder
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 160
+        resp, body = await completion(client, PROMPT, headers={"x-tenant-id": "acme"}, cache_salt="other")
+        assert resp.status == 400 and "different tenants" in body["error"]["message"]
+
+
+async def test_sse_is_relayed_without_buffering(engines):
+    (e,) = await engines(1)
+    e.gate = asyncio.Event()
+    async with gateway_client([e]) as (_, client):
+        resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "stream": True})
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        assert resp.headers[ENDPOINT_HEADER] == e.url
+        first = await asyncio.wait_for(resp.content.readline(), timeout=5)
+        assert b"e0-0" in first  # arrived while the engine still holds the rest of the stream
+        e.gate.set()
+        rest = await resp.content.read()
+        assert rest.endswith(b"data: [DONE]\n\n")
+        assert b'"cached_tokens":0' in rest
+        resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "stream": True})
+        await resp.read()
+        metrics = await (await client.get("/metrics")).text()
+        assert "kvmesh_router_realized_hit_tokens_total 160.0" in metrics
+
+
+async def test_connect_failure_retries_the_next_endpoint(engines):
+    es = await engines(2)
+    async with gateway_client(es, policy="round-robin", health={"intervalS": 30, "metricsIntervalS": 0}) as (
+        gw,
+        client,
+    ):
+        dead = es[0] if es[0].url < es[1].url else es[1]
+        alive = es[1] if dead is es[0] else es[0]
+        await dead.stop()
+        resp, body = await completion(client, PROMPT)  # round-robin ranks `dead` first
+        assert resp.status == 200
+        assert resp.headers[ENDPOINT_HEADER] == alive.url
+        assert not gw.pool.get(dead.url).state.healthy  # type: ignore[union-attr]
+        metrics = await (await client.get("/metrics")).text()
+        assert "kvmesh_router_retries_total 1.0" in metrics
+        for _ in range(3):
+            resp, _ = await completion(client, PROMPT)
+            assert resp.headers[ENDPOINT_HEADER] == alive.url
+
+
+async def test_all_endpoints_down_is_a_503_or_502(engines):
+    es = await engines(1)
+    async with gateway_client(es, health={"intervalS": 30, "metricsIntervalS": 0}) as (_, client):
+        await es[0].stop()
+        resp, body = await completion(client, PROMPT)
+        assert resp.status == 502 and "no endpoint could be reached" in body["error"]["message"]
+        resp, body = await completion(client, PROMPT)
+        assert resp.status == 503
+        assert (await client.get("/health")).status == 503
+
+
+async def test_unhealthy_endpoint_leaves_and_returns(engines):
+    es = await engines(2)
+    async with gateway_client(es, policy="round-robin") as (gw, client):
+        es[0].healthy = False
+        await wait_for(lambda: not gw.pool.get(es[0].url).state.healthy)  # type: ignore[union-attr]
+        for _ in range(4):
+            resp, _ = await completion(client, PROMPT)
+            assert resp.headers[ENDPOINT_HEADER] == es[1].url
+        es[0].healthy = True
+        await wait_for(lambda: gw.pool.get(es[0].url).state.healthy)  # type: ignore[union-attr]
+        seen = {(await completion(client, PROMPT))[0].headers[ENDPOINT_HEADER] for _ in range(4)}
+        assert seen == {es[0].url, es[1].url}
+
+
+async def test_metrics_scrape_feeds_load_scorers(engines):
+    es = await engines(2)
+    es[0].waiting = 40
+    async with gateway_client(es, policy="load") as (gw, client):
+        await wait_for(lambda: gw.pool.get(es[0].url).state.waiting == 40)  # type: ignore[union-attr]
+        for _ in range(5):
+            resp, _ = await completion(client, PROMPT)
+            assert resp.headers[ENDPOINT_HEADER] == es[1].url
+
+
+async def test_chat_is_tokenized_with_the_template(engines):
+    es = await engines(2)
+    async with gateway_client(es) as (gw, client):
+        messages = [{"role": "system", "content": "x" * 200}, {"role": "user", "content": "hi"}]
+        resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
+        assert resp.status == 200
+        engine = next(e for e in es if e.url == resp.headers[ENDPOINT_HEADER])
+        assert engine.received[-1]["messages"] == messages
+        bad = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"content": "x"}]})
+        assert bad.status == 400
+
+
+async def test_models_and_health(engines):
+    es = await engines(1)
+    async with gateway_client(es) as (_, client):
+        models = await (await client.get("/v1/models")).json()
+        assert models["data"][0]["id"] == MODEL
+        health = await (await client.get("/health")).json()
+        assert health == {"status": "ok", "endpoints": 1, "healthy": 1}
+
+
+async def test_admin_api(engines):
+    es = await engines(2)
+    async with gateway_client(es[:1], adminToken="s3cret") as (gw, client):
+        auth = {"Authorization": "Bearer s3cret"}
+        assert (await client.get("/admin/endpoints")).status == 401
+        assert (await client.get("/admin/endpoints", headers={"Authorization": "Bearer nope"})).status == 401
+        resp = await client.post("/admin/endpoints", json={"url": es[1].url, "role": "decode"}, headers=auth)
+        assert resp.status == 201
+        assert (await resp.json())["events_endpoint"] == es[1].publisher.endpoint  # type: ignore[union-attr]
+        listing = (await (await client.get("/admin/endpoints", headers=auth)).json())["endpoints"]
+        assert {e["pod"] for e in listing} == {es[0].url, es[1].url}
+        assert next(e for e in listing if e["pod"] == es[1].url)["role"] == "decode"
+        bad = await client.post("/admin/endpoints", json={"url": "ftp://x"}, headers=auth)
+        assert bad.status == 400 and "http://host:port" in (await bad.json())["error"]["message"]
+
+        resp, _ = await completion(client, PROMPT)
+        holder = resp.headers[ENDPOINT_HEADER]
+        await wait_for(lambda: gw.applier.num_blocks(holder) == 10)  # type: ignore[union-attr, arg-type]
+        stats = await (await client.get("/admin/index", headers=auth)).json()
+        assert stats["index"]["num_keys"] == 10 and stats["ingest"]["num_blocks_stored"] == 10
+        flushed = await (await client.post("/admin/flush", json={"pod": holder}, headers=auth)).json()
+        assert flushed == {"flushed": 10}
+        assert (await client.post("/admin/flush", json={"tenant": 5}, headers=auth)).status == 400
+
+        resp = await client.delete("/admin/endpoints", params={"url": es[1].url}, headers=auth)
+        assert resp.status == 200
+        assert (
+            await client.delete("/admin/endpoints", params={"url": es[1].url}, headers=auth)
+        ).status == 404
+        assert es[1].url not in gw.pool  # type: ignore[operator]
+
+
+async def test_admin_disabled_without_token(engines):
+    es = await engines(1)
+    async with gateway_client(es) as (_, client):
+        assert (await client.get("/admin/index", headers={"Authorization": "Bearer x"})).status == 403
+
+
+def _fuzz_bodies(n: int) -> list[bytes]:
+    import random
+
+    rng = random.Random(1234)
+    atoms: list[Any] = [
+        None,
+        True,
+        0,
+        -1,
+        2**40,
+        1.5,
+        "",
+        "x",
+        [],
+        {},
+        [1, "a"],
+        {"a": 1},
+        [[1, 2]],
+        [-5],
+        [2**33],
+    ]
+    fields = ["model", "prompt", "stream", "cache_salt", "messages", "max_tokens"]
+    out: list[bytes] = []
+    for _ in range(n):
+        kind = rng.randrange(6)
+        if kind == 0:
+            out.append(bytes(rng.randrange(256) for _ in range(rng.randrange(0, 40))))
+        elif kind == 1:
+            out.append(msgspec.json.encode(rng.choice(atoms)))
+        elif kind == 2:
+            body = {f: rng.choice(atoms) for f in rng.sample(fields, rng.randrange(1, 4))}
+            body.setdefault("prompt", rng.choice(atoms))
+            if body["prompt"] in ("x",) or (isinstance(body["prompt"], list) and body["prompt"] in ([1, 2],)):
+                body["prompt"] = {}
+            out.append(msgspec.json.encode(body))
+        elif kind == 3:
+            good = msgspec.json.encode({"model": MODEL, "prompt": [1, 2, 3]})
+            cut = rng.randrange(1, len(good))
+            out.append(good[:cut])
+        elif kind == 4:
+            out.append(
+                msgspec.json.encode(
+                    {"model": MODEL, "prompt": [1, 2, rng.choice(["a", -1, 2**32, 1.0, None])]}
+                )
+            )
+        else:
+            out.append(
+                msgspec.json.encode({"model": MODEL, "prompt": [1], "stream": rng.choice(["yes", 1, [], {}])})
+            )
+    return out
+
+
+@pytest.mark.slow
+async def test_fuzzed_bodies_get_4xx_and_the_router_keeps_serving(engines):
+    es = await engines(1)
+    async with gateway_client(es, health={"intervalS": 30, "metricsIntervalS": 0}) as (_, client):
+        bodies = _fuzz_bodies(10_000)
+        statuses: dict[int, int] = {}
+        for i in range(0, len(bodies), 200):
+            chunk = bodies[i : i + 200]
+            resps = await asyncio.gather(
+                *(
+                    client.post("/v1/completions", data=b, headers={"Content-Type": "application/json"})
+                    for b in chunk
+                )
+            )
+            for r in resps:
+                if r.status == 400:
+                    body = await r.json()
+                    assert body["error"]["message"]
+                statuses[r.status] = statuses.get(r.status, 0) + 1
+                r.release()
+        assert statuses == {400: 10_000}
+        assert es[0].received == []
+        resp, body = await completion(client, PROMPT)
+        assert resp.status == 200
+
+
+async def test_oversized_body_is_413(engines):
+    es = await engines(1)
+    async with gateway_client(es, maxBodyBytes=1024) as (_, client):
+        resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": list(range(2000))})
+        assert resp.status == 413
+        assert "larger than 1024 bytes" in (await resp.json())["error"]["message"]
+
+
+def test_port_helper_is_free():
+    assert free_port() > 0

