@@ -134,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(text)
         return 0
-    table = Table(title=f"{report['model']} prefill, {n_prefix}-token prefix + {len(question)}-token question")
+    table = Table(
+        title=f"{report['model']} prefill, {n_prefix}-token prefix + {len(question)}-token question"
+    )
     for column in ("mode", "median s", "speedup vs cold", "max |Δlogit| vs cold"):
         table.add_column(column)
     for mode in times:

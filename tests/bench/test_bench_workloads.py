@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -42,8 +43,12 @@ def _longest_shared_prefix(tokens: list[int], earlier: list[list[int]]) -> int:
     cycles=st.integers(1, 3),
     seed=st.integers(0, 1000),
 )
-def test_shared_prefix_cycles_prompts_and_counts_reusable_tokens(groups, per_group, sys_len, q_len, cycles, seed):
-    w = SharedPrefixWorkload(groups, per_group, sys_len, q_len, 4, num_requests=groups * per_group * cycles, seed=seed)
+def test_shared_prefix_cycles_prompts_and_counts_reusable_tokens(
+    groups, per_group, sys_len, q_len, cycles, seed
+):
+    w = SharedPrefixWorkload(
+        groups, per_group, sys_len, q_len, 4, num_requests=groups * per_group * cycles, seed=seed
+    )
     specs = list(w.requests())
     n = groups * per_group
     assert len(specs) == n * cycles
@@ -132,14 +137,16 @@ def test_length_distribution_rejects_bad_specs(bad):
 
 
 def test_multi_turn_history_grows_and_sessions_are_ordered():
-    w = MultiTurnWorkload(num_conversations=3, num_turns=4, tokens_per_turn=20, output_len=5, system_prompt_len=10)
+    w = MultiTurnWorkload(
+        num_conversations=3, num_turns=4, tokens_per_turn=20, output_len=5, system_prompt_len=10
+    )
     specs = list(w.requests())
     assert len(specs) == 12
     for c in range(3):
         turns = [s for s in specs if s.session_id == f"c{c}"]
         assert [s.stage for s in turns] == [0, 1, 2, 3]
         assert turns[0].reusable_prefix_len == 0
-        for prev, cur in zip(turns, turns[1:], strict=False):
+        for prev, cur in itertools.pairwise(turns):
             assert cur.prompt_token_ids[: len(prev.prompt_token_ids)] == prev.prompt_token_ids
             assert cur.reusable_prefix_len == len(prev.prompt_token_ids)
             assert len(cur.prompt_token_ids) == len(prev.prompt_token_ids) + 5 + 20
@@ -196,7 +203,9 @@ def test_mooncake_replay_maps_hash_ids_to_stable_blocks(tmp_path):
 )
 def test_mooncake_rejects_malformed_lines_with_line_number(tmp_path, line):
     trace = tmp_path / "bad.jsonl"
-    trace.write_text(json.dumps({"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [9]}) + "\n" + line)
+    trace.write_text(
+        json.dumps({"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [9]}) + "\n" + line
+    )
     with pytest.raises(ConfigError, match=":2:"):
         list(MooncakeTraceWorkload(trace).requests())
 
@@ -226,7 +235,9 @@ data:
 
 
 def test_load_workload_flat_layout_and_errors(tmp_path):
-    w = load_workload({"type": "multi_turn", "num_conversations": 2, "num_turns": 2, "tokens_per_turn": 8, "output_len": 2})
+    w = load_workload(
+        {"type": "multi_turn", "num_conversations": 2, "num_turns": 2, "tokens_per_turn": 8, "output_len": 2}
+    )
     assert isinstance(w, MultiTurnWorkload)
     f = tmp_path / "w.yaml"
     f.write_text("type: mooncake\npath: trace.jsonl\nspeedup: 3\n")
@@ -236,7 +247,54 @@ def test_load_workload_flat_layout_and_errors(tmp_path):
     with pytest.raises(ConfigError, match="shared_prefix"):
         load_workload({"type": "shared_prefix", "num_groups": 1})
     with pytest.raises(ConfigError, match="stage"):
-        load_workload({"type": "shared_prefix", "num_groups": 1, "num_prompts_per_group": 1, "system_prompt_len": 1,
-                       "question_len": 1, "output_len": 1, "stages": [{"rate": 0, "duration": 1}]})
+        load_workload(
+            {
+                "type": "shared_prefix",
+                "num_groups": 1,
+                "num_prompts_per_group": 1,
+                "system_prompt_len": 1,
+                "question_len": 1,
+                "output_len": 1,
+                "stages": [{"rate": 0, "duration": 1}],
+            }
+        )
     with pytest.raises(ConfigError, match="mapping"):
         load_workload("- a\n- b\n")
+
+
+def test_shifted_tokens_keep_structure_and_share_no_token():
+    from kvmesh.bench.workloads import shifted
+
+    base = SharedPrefixWorkload(3, 2, 40, 8, 4, stages=[Stage(5, 2)], vocab_size=500, token_low=100)
+    a = list(base.requests())
+    b = list(shifted(base, 7919).requests())
+    assert shifted(base, 0) is base
+    assert [(s.arrival_s, s.group, s.reusable_prefix_len, len(s.prompt_token_ids)) for s in a] == [
+        (s.arrival_s, s.group, s.reusable_prefix_len, len(s.prompt_token_ids)) for s in b
+    ]
+    for x, y in zip(a, b, strict=True):
+        assert all(100 <= t < 500 for t in y.prompt_token_ids)
+        assert all(p != q for p, q in zip(x.prompt_token_ids, y.prompt_token_ids, strict=True))
+    # sharing inside the shifted stream is preserved exactly
+    groups: dict[str | None, list[int]] = {}
+    for s in b:
+        first = groups.setdefault(s.group, s.prompt_token_ids)
+        assert s.prompt_token_ids[:40] == first[:40]
+
+
+def test_llmd_presets_state_their_scaling():
+    from kvmesh.bench.presets import LLMD_SCALED_KV_CAPACITY, PRESETS
+
+    full = PRESETS["llmd-73"]()
+    assert isinstance(full.workload, SharedPrefixWorkload)
+    assert (full.workload.num_groups, full.workload.system_prompt_len, full.workload.question_len) == (
+        150,
+        6000,
+        1200,
+    )
+    assert len(full.workload.stages or []) == 17
+    scaled = PRESETS["llmd-73-scaled"]()
+    assert scaled.kv_capacity_tokens == LLMD_SCALED_KV_CAPACITY == 307_328 * 40 // 150
+    assert "40 groups" in scaled.description and "20 output tokens" in scaled.description
+    for path in scaled.scheduler_configs.values():
+        assert Path(path).is_file()

@@ -190,3 +190,34 @@ def test_seeded_sampling_is_independent_of_batch(tiny_runner: TorchRunner, gener
     assert tokens == alone
     tiny_runner.free(a)
     tiny_runner.free(b)
+
+
+@pytest.mark.parametrize("batch_decodes", [True, False])
+def test_decodes_share_one_forward_when_batched(tiny_runner: TorchRunner, batch_decodes: bool) -> None:
+    runner = TorchRunner(
+        tiny_runner.model,
+        model_name="t",
+        eos_token_ids=(2,),
+        batch_decodes=batch_decodes,
+        keep_decode_logits=True,
+    )
+    calls: list[int] = []
+    hook = runner.model.register_forward_hook(lambda module, args, output: calls.append(1))
+    try:
+        seqs = [_seq(f"s{n}", prompt=list(range(5, 5 + n))) for n in (7, 30, 64)]
+        out = runner.execute_sync(StepPlan(prefills=[PrefillChunk(s, 0, len(s.token_ids)) for s in seqs]))
+        for s in seqs:
+            s.token_ids.append(out.sampled[s.request_id])
+        calls.clear()
+        out = runner.execute_sync(StepPlan(decodes=seqs))
+        assert len(calls) == (1 if batch_decodes else 3)
+        for s in seqs:
+            assert s.num_computed_tokens == len(s.token_ids)
+            solo = _seq("solo", prompt=s.token_ids)
+            ref = runner.execute_sync(StepPlan(prefills=[PrefillChunk(solo, 0, len(solo.token_ids))]))
+            assert out.sampled[s.request_id] == ref.sampled["solo"]
+            assert np.abs(out.last_logits[s.request_id] - ref.last_logits["solo"]).max() <= 1e-4
+            runner.free(s)
+    finally:
+        hook.remove()
+        runner.close()

@@ -169,3 +169,31 @@ def test_wrong_kv_is_caught(smollm2_runner, prompt, cold) -> None:
     )
     smollm2_runner.free(seq)
     assert np.abs(out.last_logits["wrong"] - cold[1][0]).max() > 100 * TOLERANCE
+
+
+def test_batched_decodes_match_sequential(smollm2_runner, prompt, generate) -> None:
+    """Sequences of different lengths decoded as one padded batch give their solo tokens and logits."""
+    tok = smollm2_runner.tokenizer
+    prompts = [
+        prompt,
+        tok.apply_chat_template([{"role": "user", "content": "Name three colors."}]),
+        tok.apply_chat_template([{"role": "user", "content": "Write a haiku about the sea and the wind."}]),
+    ]
+    solo = [generate(smollm2_runner, p, 6, request_id=f"solo{i}") for i, p in enumerate(prompts)]
+    seqs = [Sequence(f"b{i}", list(p), len(p), SamplingParams()) for i, p in enumerate(prompts)]
+    out = smollm2_runner.execute_sync(StepPlan(prefills=[PrefillChunk(s, 0, len(s.token_ids)) for s in seqs]))
+    tokens = {s.request_id: [out.sampled[s.request_id]] for s in seqs}
+    logits = {s.request_id: [out.last_logits[s.request_id]] for s in seqs}
+    for _ in range(5):
+        for s in seqs:
+            s.token_ids.append(tokens[s.request_id][-1])
+        out = smollm2_runner.execute_sync(StepPlan(decodes=seqs))
+        for s in seqs:
+            tokens[s.request_id].append(out.sampled[s.request_id])
+            logits[s.request_id].append(out.last_logits[s.request_id])
+    for i, s in enumerate(seqs):
+        assert tokens[s.request_id] == solo[i][0]
+        for a, b in zip(logits[s.request_id], solo[i][1], strict=True):
+            assert np.abs(a - b).max() <= TOLERANCE
+        assert s.num_computed_tokens == len(s.token_ids)
+        smollm2_runner.free(s)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +59,8 @@ class FakeEngine:
     waiting: int = 0
     running: int = 0
     healthy: bool = True
+    vllm_like: bool = False
+    """Answer 404 on /kvmesh/info, as an unmodified vLLM pod does."""
 
     async def start(self, port: int = 0) -> FakeEngine:
         self.publisher = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
@@ -184,6 +188,8 @@ class FakeEngine:
 
     async def _info(self, request: web.Request) -> web.Response:
         assert self.publisher is not None
+        if self.vllm_like:
+            raise web.HTTPNotFound()
         return web.json_response(
             {
                 "model": MODEL,
@@ -196,3 +202,76 @@ class FakeEngine:
                 "max_model_len": 8192,
             }
         )
+
+
+@dataclass
+class EngineProcess:
+    """A ``kvmesh engine --emulate`` child process and its ready line."""
+
+    proc: subprocess.Popen[bytes]
+    info: dict[str, Any]
+
+    @property
+    def url(self) -> str:
+        return str(self.info["url"])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_engine_processes(n: int, *extra: str, timeout: float = 240.0) -> list[EngineProcess]:
+    """Start ``n`` emulated engines in parallel and wait for each one's JSON ready line."""
+    import json
+    import os
+    import selectors
+    import sys
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable, "-m", "kvmesh", "engine", "--model", "smollm2", "--emulate", "tiny-h100",
+                "--port", "0", "--events", "tcp://127.0.0.1:0", "--events-replay", "tcp://127.0.0.1:0", *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
+        for _ in range(n)
+    ]  # fmt: skip
+    ready: dict[int, EngineProcess] = {}
+    sel = selectors.DefaultSelector()
+    for i, p in enumerate(procs):
+        assert p.stdout is not None
+        sel.register(p.stdout, selectors.EVENT_READ, i)
+    deadline = time.monotonic() + timeout
+    try:
+        while len(ready) < n:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"only {len(ready)} of {n} engines became ready")
+            for key, _ in sel.select(remaining):
+                i = key.data
+                line = procs[i].stdout.readline()  # type: ignore[union-attr]
+                if not line:
+                    raise RuntimeError(f"engine {i} exited with {procs[i].wait()}")
+                ready[i] = EngineProcess(procs[i], json.loads(line))
+                sel.unregister(key.fileobj)
+    except BaseException:
+        for p in procs:
+            p.kill()
+            p.wait()
+        raise
+    finally:
+        sel.close()
+    return [ready[i] for i in range(n)]

@@ -144,7 +144,7 @@ async def test_connect_failure_retries_the_next_endpoint(engines):
         dead = es[0] if es[0].url < es[1].url else es[1]
         alive = es[1] if dead is es[0] else es[0]
         await dead.stop()
-        resp, body = await completion(client, PROMPT)  # round-robin ranks `dead` first
+        resp, _ = await completion(client, PROMPT)  # round-robin ranks `dead` first
         assert resp.status == 200
         assert resp.headers[ENDPOINT_HEADER] == alive.url
         assert not gw.pool.get(dead.url).state.healthy  # type: ignore[union-attr]
@@ -192,7 +192,7 @@ async def test_metrics_scrape_feeds_load_scorers(engines):
 
 async def test_chat_is_tokenized_with_the_template(engines):
     es = await engines(2)
-    async with gateway_client(es) as (gw, client):
+    async with gateway_client(es) as (_, client):
         messages = [{"role": "system", "content": "x" * 200}, {"role": "user", "content": "hi"}]
         resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
         assert resp.status == 200
@@ -281,7 +281,7 @@ def _fuzz_bodies(n: int) -> list[bytes]:
         elif kind == 2:
             body = {f: rng.choice(atoms) for f in rng.sample(fields, rng.randrange(1, 4))}
             body.setdefault("prompt", rng.choice(atoms))
-            if body["prompt"] in ("x",) or (isinstance(body["prompt"], list) and body["prompt"] in ([1, 2],)):
+            if body["prompt"] in ("x", [[1, 2]]):  # the two valid prompts among the atoms
                 body["prompt"] = {}
             out.append(msgspec.json.encode(body))
         elif kind == 3:
@@ -337,3 +337,63 @@ async def test_oversized_body_is_413(engines):
 
 def test_port_helper_is_free():
     assert free_port() > 0
+
+
+async def test_pd_sends_prefill_leg_then_decode(engines):
+    prefill, decode = await engines(2)
+    prefill.role, decode.role = "prefill", "decode"
+    async with gateway_client([prefill, decode], policy="pd") as (_, client):
+        long_prompt = list(range(10_000, 10_400))
+        resp, _ = await completion(client, long_prompt, max_tokens=8, stream=False)
+        assert resp.status == 200 and resp.headers[ENDPOINT_HEADER] == decode.url
+        leg = prefill.received[-1]
+        assert leg["kv_transfer_params"] == {"role": "prefill"} and leg["max_tokens"] == 1
+        assert leg["prompt"] == long_prompt
+        assert decode.received[-1]["kv_transfer_params"] == {"role": "decode"}
+        assert decode.received[-1]["max_tokens"] == 8
+        # a short prompt goes straight to decode
+        n_prefill = len(prefill.received)
+        resp, _ = await completion(client, list(range(100)))
+        assert resp.headers[ENDPOINT_HEADER] == decode.url
+        assert len(prefill.received) == n_prefill
+        assert "kv_transfer_params" not in decode.received[-1]
+
+
+async def test_two_router_replicas_share_a_redis_index(engines, redis_url):
+    import uuid
+
+    es = await engines(3)
+    index = {"backend": "redis", "redisUrl": redis_url, "keyPrefix": f"gw{uuid.uuid4().hex[:8]}:"}
+    async with (
+        gateway_client(es, index=index) as (gw1, c1),
+        gateway_client(es, index=index, seed=7) as (gw2, c2),
+    ):
+        resp, _ = await completion(c1, PROMPT)
+        holder = resp.headers[ENDPOINT_HEADER]
+        await wait_for(lambda: gw2.applier is not None and gw2.applier.num_blocks(holder) == 10)  # type: ignore[arg-type]
+        for i in range(3):
+            resp, body = await completion(c2, PROMPT + [i] * 16)
+            assert resp.headers[ENDPOINT_HEADER] == holder
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 160
+        stats = await gw1.index.stats() if False else gw1.index.stats()
+        assert stats.backend == "redis" and stats.num_keys >= 10
+
+
+async def test_vllm_pod_without_info_uses_configured_event_endpoints(engines):
+    (e,) = await engines(1)
+    assert e.publisher is not None
+    # a vLLM pod answers 404 on /kvmesh/info: the router takes events and model from config
+    e.vllm_like = True
+    endpoint = {
+        "url": e.url,
+        "eventsEndpoint": e.publisher.endpoint,
+        "replayEndpoint": e.publisher.replay_endpoint,
+    }
+    async with gateway_client([e], endpoints=[endpoint], model=MODEL, revision="") as (gw, client):
+        assert gw.pool.get(e.url).info is None  # type: ignore[union-attr]
+        await completion(client, PROMPT)
+        await wait_for(lambda: gw.applier is not None and gw.applier.num_blocks(e.url) == 10)  # type: ignore[arg-type]
+        _, body = await completion(client, PROMPT)
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 160
+        metrics = await (await client.get("/metrics")).text()
+        assert "kvmesh_router_predicted_hit_tokens_total 160.0" in metrics

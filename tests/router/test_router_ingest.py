@@ -155,7 +155,7 @@ def test_multi_tier_match_and_index_media():
 
 
 def test_match_prefix_requires_consecutive_blocks_per_pod():
-    idx, ap = make()
+    idx, _ = make()
     keys = list(iter_block_keys(hasher(), TOKENS))
     assert keys == hasher().hash_blocks(TOKENS)
     idx.add(keys[:4], A, medium_set(Medium.GPU))
@@ -164,3 +164,11 @@ def test_match_prefix_requires_consecutive_blocks_per_pod():
     m = match_prefix(idx, hasher(), TOKENS)
     assert m.pods[A].num_blocks == 4
     assert m.pods[B].num_blocks == 1
+
+
+def test_out_of_range_token_ids_are_bad_events():
+    idx, ap = make()
+    ap.apply(A, BlockStored([1], None, [-1] + TOKENS[1:16], 16))
+    ap.apply(A, BlockStored([2], None, [2**32] + TOKENS[1:16], 16))
+    assert ap.stats.num_bad_events == 2
+    assert idx.stats().num_keys == 0

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from store_helpers import build_backend
+from store_helpers import LocalCluster, build_backend
 
 from kvmesh.store.backends.base import Backend
 from kvmesh.store.local_server import LocalServer, find_server_binary
@@ -57,3 +57,15 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
     finally:
         await b.flush(None)
         await b.aclose()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalCluster]:
+    """A three-master Redis Cluster (redis-server + redis-cli) shared by the session."""
+    if find_server_binary("redis") is None:
+        pytest.skip("redis-server binary not found; apt-get install redis-server (scripts/system-deps.sh)")
+    cluster = LocalCluster()
+    try:
+        yield cluster.start()
+    finally:
+        cluster.close()

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+import socket
+import subprocess
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -109,3 +113,77 @@ def build_backend(
         return SharedDirBackend(tmp_path / "shared")
     server: LocalServer = request.getfixturevalue(f"{kind}_server")
     return RedisBackend(server.url, key_prefix=unique_prefix())
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too (Redis Cluster needs ≤ 55535)."""
+    rng = np.random.default_rng()
+    for _ in range(200):
+        port = int(rng.integers(20_000, 45_000))
+        if _port_free(port) and _port_free(port + 10_000):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+class LocalCluster:
+    """Three redis-server masters joined into a Redis Cluster with redis-cli."""
+
+    def __init__(self) -> None:
+        self.nodes = [
+            LocalServer(
+                "redis",
+                port=_cluster_port(),
+                extra_args=[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                ],
+            )
+            for _ in range(3)
+        ]
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def start(self) -> LocalCluster:
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            pytest.skip("redis-cli not found; apt-get install redis-server (scripts/system-deps.sh)")
+        for node in self.nodes:
+            node.start()
+        addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        subprocess.run(
+            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            out = subprocess.run(
+                [cli, "-p", str(self.nodes[0].port), "cluster", "info"],
+                capture_output=True,
+                timeout=5,
+                text=True,
+            ).stdout
+            if "cluster_state:ok" in out:
+                return self
+            time.sleep(0.1)
+        raise RuntimeError("redis cluster did not reach cluster_state:ok")
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()

@@ -36,6 +36,11 @@ def register(subparsers: Any) -> None:
     _workload_args(cmp_)
     _fleet_args(cmp_)
     cmp_.add_argument("--policies", default=_POLICIES, help=f"comma-separated (default {_POLICIES})")
+    cmp_.add_argument(
+        "--router-presets",
+        action="store_true",
+        help="use the router's own presets even where the workload preset names the published weights",
+    )
     _output_args(cmp_)
     cmp_.set_defaults(func=_cmd_compare)
 
@@ -143,10 +148,11 @@ def _emit(args: argparse.Namespace, runs: dict[str, Any], console: Console) -> N
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from kvmesh.bench.compare import run_on_fleet, served_model
+    from kvmesh.bench.report import make_console
     from kvmesh.bench.runner import run_workload
     from kvmesh.fleet.launcher import Fleet
 
-    console = Console()
+    console = make_console()
     workload, scaled = _resolve_workload(args)
     if scaled is not None:
         console.print(f"[dim]{scaled.description}[/dim]")
@@ -172,10 +178,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from kvmesh.bench.compare import compare_policies
-    from kvmesh.bench.report import ratio_lines
+    from kvmesh.bench.report import make_console, ratio_lines
     from kvmesh.fleet.launcher import Fleet
 
-    console = Console()
+    console = make_console()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise ConfigError("--policies is empty")
@@ -187,7 +193,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     async def main() -> dict[str, Any]:
         async with Fleet(_fleet_config(args, scaled, policies[0])) as fleet:
             console.print(f"[dim]fleet up: {len(fleet.engines)} engines, run dir {fleet.run_dir}[/dim]")
-            return await compare_policies(fleet, workload, policies, options)
+            configs = scaled.scheduler_configs if scaled is not None and not args.router_presets else {}
+            return await compare_policies(fleet, workload, policies, options, scheduler_configs=configs)
 
     runs = asyncio.run(main())
     _emit(args, runs, console)

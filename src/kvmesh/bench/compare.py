@@ -3,16 +3,19 @@
 Between two policies every engine's device-tier cache is emptied (``POST /reset_prefix_cache``, or a
 restart of the engines where that route is missing), the shared tier is emptied, and the router is
 started afresh with the next policy, so no run inherits another's cache state or routing history.
+Where engines have no reset route and restarting them costs more than the runs (emulated fleets),
+each run instead shifts its token ids (see :func:`compare_policies`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Literal
 
 import aiohttp
 
 from kvmesh.bench.runner import RunOptions, RunResult, run_workload
-from kvmesh.bench.workloads import Workload
+from kvmesh.bench.workloads import Workload, shifted
 from kvmesh.fleet.launcher import Fleet
 
 
@@ -44,38 +47,61 @@ async def run_on_fleet(fleet: Fleet, workload: Workload, options: RunOptions) ->
     return await run_workload(workload, options)
 
 
-async def reset_fleet(fleet: Fleet) -> None:
-    """Empty every cache of the fleet and restart the router (fresh index and routing history).
+async def reset_fleet(fleet: Fleet, *, allow_restart: bool = True) -> bool:
+    """Stop the router and empty every cache of the fleet; the caller starts the next router.
 
-    Engines are emptied through their cache-reset route when they all have it, and restarted
-    otherwise; the shared tier is emptied.
+    Engines are emptied through their cache-reset route; where an engine lacks it they are restarted
+    when ``allow_restart``. The shared tier is emptied.
+
+    Returns:
+        ``True`` when the engines' caches are empty; ``False`` when they still hold the last run's
+        blocks (no reset route and ``allow_restart`` is false).
     """
-    policy = fleet.router_policy
     await fleet.stop_router()
     await fleet.reset_shared_tier()
-    if not await fleet.reset_engine_caches():
+    emptied = await fleet.reset_engine_caches()
+    if not emptied and allow_restart:
         await fleet.stop_engines()
         await fleet.start_engines()
-    if policy is not None:
-        await fleet.start_router(policy)
+        emptied = True
+    return emptied
+
+
+ResetMode = Literal["auto", "restart", "shift"]
 
 
 async def compare_policies(
-    fleet: Fleet, workload: Workload, policies: Sequence[str], options: RunOptions
+    fleet: Fleet,
+    workload: Workload,
+    policies: Sequence[str],
+    options: RunOptions,
+    *,
+    reset: ResetMode = "auto",
+    scheduler_configs: Mapping[str, str] | None = None,
 ) -> dict[str, RunResult]:
     """One run per policy on ``fleet``; returns the runs keyed by policy, in the order given.
 
-    The first run uses the fleet as started when its router already has that policy and no run has
-    touched it; every other run starts from a reset fleet.
+    Args:
+        reset: how runs are kept from hitting each other's caches. ``restart``: empty every cache
+            (reset route, else engine restart). ``shift``: the router restarts and the shared tier is
+            emptied, but engine caches are emptied only through their reset route; where that is
+            missing, run ``k`` shifts every token id by ``k`` (same lengths, order and arrival times,
+            no block in common with another run), so blocks left from earlier runs can never hit and
+            are evicted first. ``auto``: ``shift`` for a fleet of emulated engines (restarts cost more
+            than the runs), ``restart`` otherwise.
+        scheduler_configs: per policy, a scheduler YAML replacing the router preset's weights.
     """
+    scheduler_configs = scheduler_configs or {}
+    mode = reset if reset != "auto" else ("shift" if fleet.config.emulate else "restart")
     runs: dict[str, RunResult] = {}
-    fresh = True
-    for policy in policies:
-        if not fresh:
-            await reset_fleet(fleet)
-        if fleet.router_policy != policy:
-            await fleet.start_router(policy)
-        fresh = False
+    for k, policy in enumerate(policies):
+        run_workload_k = workload
+        if k > 0:
+            emptied = await reset_fleet(fleet, allow_restart=mode == "restart")
+            if not emptied:
+                run_workload_k = shifted(workload, k * 7919)
+        if fleet.router is None or fleet.router_policy != policy or policy in scheduler_configs:
+            await fleet.start_router(policy, scheduler_configs.get(policy))
         opts = RunOptions(
             base_url=fleet.url,
             model=options.model,
@@ -89,6 +115,6 @@ async def compare_policies(
             progress=options.progress,
             label=policy,
         )
-        runs[policy] = await run_on_fleet(fleet, workload, opts)
+        runs[policy] = await run_on_fleet(fleet, run_workload_k, opts)
         fleet.check_alive()
     return runs

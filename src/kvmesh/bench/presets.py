@@ -14,7 +14,9 @@ carry: fewer groups (so each pod's KV is cut by the same factor through ``--kv-c
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
 
 from kvmesh.bench.workloads import SharedPrefixWorkload, Stage, Workload
 
@@ -55,6 +57,8 @@ class ScaledRun:
     emulate: str | None
     kv_capacity_tokens: int | None
     description: str
+    scheduler_configs: dict[str, str] = field(default_factory=dict)
+    """Per router policy, a scheduler YAML with the weights the published benchmark used."""
 
 
 def llmd_73() -> ScaledRun:
@@ -70,8 +74,18 @@ def llmd_73() -> ScaledRun:
         vocab_size=SMOLLM2_VOCAB,
         name="llmd-73",
     )
-    return ScaledRun(w, 8, "qwen3-32b-h100-tp2", None, "llm-d 73-capacity as published")
+    return ScaledRun(
+        w, 8, "qwen3-32b-h100-tp2", None, "llm-d 73-capacity as published", dict(LLMD_SCHEDULERS)
+    )
 
+
+SCHEDULERS_DIR = Path(__file__).with_name("schedulers")
+LLMD_SCHEDULERS = {
+    "approximate": str(SCHEDULERS_DIR / "llmd-approximate.yaml"),
+    "load": str(SCHEDULERS_DIR / "llmd-load.yaml"),
+}
+"""llm-d's approximate (prefix from routing history + KV utilization + queue, 1:1:1) and load (queue +
+KV utilization) schedulers; precise and random are the router's presets of the same names."""
 
 LLMD_SCALED_GROUPS = 40
 LLMD_SCALED_KV_CAPACITY = LLMD_KV_CAPACITY * LLMD_SCALED_GROUPS // 150
@@ -79,16 +93,24 @@ LLMD_SCALED_KV_CAPACITY = LLMD_KV_CAPACITY * LLMD_SCALED_GROUPS // 150
 prompt set stays at 73 % of the fleet's KV."""
 
 
-def llmd_73_scaled(*, quick: bool = False, seed: int = 0) -> ScaledRun:
+ScaledSize = Literal["full", "demo", "quick"]
+
+LLMD_SCALED_STAGES: dict[str, list[Stage]] = {
+    # warm-up issues each of the 200 prompts about once; then a staircase that overloads a fleet
+    # without cache hits (about 14 QPS here) by 2-3x, as llm-d's 20-60 QPS stages do.
+    "full": [Stage(15, 14), Stage(25, 15), Stage(35, 15), Stage(40, 15)],
+    "demo": [Stage(15, 14), Stage(30, 14)],
+    "quick": [Stage(12, 6), Stage(25, 6)],
+}
+
+
+def llmd_73_scaled(size: ScaledSize = "full", *, seed: int = 0) -> ScaledRun:
     """llm-d 73-capacity scaled to one 2-core machine (see the module docstring).
 
-    Stages: a warm-up that issues every prompt about once, then a staircase through the region where
-    random routing collapses (the emulated fleet saturates near 13 QPS without cache hits).
+    ``full`` is the reproduction recorded in the docs (about 10 minutes for four schedulers);
+    ``demo`` and ``quick`` are shorter staircases for ``kvmesh demo`` and ``kvmesh demo --quick``.
     """
-    if quick:
-        stages = [Stage(10, 8), Stage(4, 5), Stage(16, 6), Stage(24, 6)]
-    else:
-        stages = [Stage(10, 20), Stage(4, 8), Stage(12, 8), Stage(18, 8), Stage(24, 8), Stage(30, 8)]
+    stages = list(LLMD_SCALED_STAGES[size])
     w = SharedPrefixWorkload(
         num_groups=LLMD_SCALED_GROUPS,
         num_prompts_per_group=5,
@@ -100,19 +122,21 @@ def llmd_73_scaled(*, quick: bool = False, seed: int = 0) -> ScaledRun:
         seed=seed,
         # emulated engines check ids against their tokenizer (SmolLM2's); the ids' values cost nothing
         vocab_size=SMOLLM2_VOCAB,
-        name="llmd-73-scaled" + ("-quick" if quick else ""),
+        name="llmd-73-scaled" + ("" if size == "full" else f"-{size}"),
     )
     desc = (
-        f"llm-d 73-capacity scaled: {LLMD_SCALED_GROUPS} groups × 5 prompts (150 × 5 published), 6000+1200 prompt "
-        f"tokens (unchanged), 20 output tokens (1000), per-pod KV {LLMD_SCALED_KV_CAPACITY} tokens "
-        f"({LLMD_KV_CAPACITY}); stages " + ", ".join(f"{s.rate:g}×{s.duration:g}s" for s in stages)
+        f"llm-d 73-capacity scaled: {LLMD_SCALED_GROUPS} groups × 5 prompts (published 150 × 5), 6000+1200 prompt "
+        f"tokens (unchanged), 20 output tokens (1000), per-pod KV {LLMD_SCALED_KV_CAPACITY:,} tokens "
+        f"({LLMD_KV_CAPACITY:,}); Poisson stages QPS×s "
+        + ", ".join(f"{s.rate:g}×{s.duration:g}" for s in stages)
     )
-    return ScaledRun(w, 8, "qwen3-32b-h100-tp2", LLMD_SCALED_KV_CAPACITY, desc)
+    return ScaledRun(w, 8, "qwen3-32b-h100-tp2", LLMD_SCALED_KV_CAPACITY, desc, dict(LLMD_SCHEDULERS))
 
 
 PRESETS: dict[str, Callable[[], ScaledRun]] = {
     "llmd-73": llmd_73,
     "llmd-73-scaled": llmd_73_scaled,
-    "llmd-73-scaled-quick": lambda: llmd_73_scaled(quick=True),
+    "llmd-73-scaled-demo": lambda: llmd_73_scaled("demo"),
+    "llmd-73-scaled-quick": lambda: llmd_73_scaled("quick"),
 }
 """``kvmesh bench ... --workload NAME`` accepts these names as well as YAML files."""

@@ -19,6 +19,14 @@ from kvmesh.bench.metrics import Summary
 from kvmesh.bench.runner import RunResult
 
 
+def make_console() -> Console:
+    """A console for reports: the terminal's width, or 160 columns when writing to a file or pipe."""
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    return console
+
+
 def _s(x: float) -> str:
     return f"{x:.3f}" if x < 10 else f"{x:.2f}"
 
@@ -101,7 +109,7 @@ def compare_table(runs: Mapping[str, RunResult], *, title: str = "scheduler comp
 def print_runs(
     runs: Mapping[str, RunResult], console: Console | None = None, *, per_stage: bool = True
 ) -> None:
-    console = console or Console()
+    console = console or make_console()
     if per_stage:
         for run in runs.values():
             console.print(summary_table(run))

@@ -284,12 +284,22 @@ class CostModel:
         Returns:
             ``max(compute, memory) + step_overhead``; ``0.0`` for an empty step.
         """
-        if not prefills and not decode_contexts:
+        return self.batch_step_time(prefills, len(decode_contexts), sum(decode_contexts))
+
+    def batch_step_time(
+        self, prefills: Sequence[tuple[int, int]], num_decodes: int, decode_context_total: int
+    ) -> float:
+        """:meth:`step_time` with the decodes summarised by their count and summed contexts.
+
+        The step's cost depends on the decodes only through these two numbers, so a caller that
+        tracks them (the fleet simulator) need not build one context per sequence.
+        """
+        if not prefills and not num_decodes:
             return 0.0
         m = self.model
         flops = sum(self.prefill_flops(s, e) for s, e in prefills)
-        flops += sum(self.decode_flops(c) for c in decode_contexts)
-        kv_read = sum(decode_contexts) + sum(e for _, e in prefills)
+        flops += num_decodes * 2.0 * m.num_params + m.attention_flops_per_pair * decode_context_total
+        kv_read = decode_context_total + sum(e for _, e in prefills)
         bytes_moved = m.weight_bytes + kv_read * m.kv_bytes_per_token
         return (
             max(flops / self.flops_per_second, bytes_moved / self.bytes_per_second)

@@ -9,7 +9,8 @@ cache content and only ``token_ids[start:end]`` is run through the model::
     positions     0 ........ start-1     start ....... end-1
 
 Later chunks continue from the cache; a chunk that ends at ``len(token_ids)`` samples the next token
-and reports its logits row. Decodes run one token per sequence.
+and reports its logits row. A step's decodes run as one left-padded batch (one pass over the weights
+for all of them); each sequence's cache stays its own between steps.
 
 Prefix cap: the last known token is always recomputed, because its logits are needed to sample. A
 first chunk whose ``start`` reaches ``len(token_ids)`` (the whole prompt was cached) is moved back to
@@ -77,6 +78,7 @@ class TorchRunner:
         max_model_len: int | None = None,
         tokenizer: Tokenizer | None = None,
         keep_decode_logits: bool = False,
+        batch_decodes: bool = True,
     ) -> None:
         """Wrap ``model`` (already on its device, in eval mode).
 
@@ -87,6 +89,8 @@ class TorchRunner:
             max_model_len: longest sequence served; defaults to ``max_position_embeddings``.
             tokenizer: kept as ``self.tokenizer`` for the server; the runner itself only sees ids.
             keep_decode_logits: also report logits rows for decode tokens (prefills always do).
+            batch_decodes: run a step's single-token decodes as one padded batch (one pass over
+                the weights) instead of one forward per sequence.
         """
         config = model.config
         self.model = model
@@ -96,6 +100,7 @@ class TorchRunner:
         self.kv_dtype = torch.float16 if self.dtype == torch.float16 else torch.float32
         self.tokenizer = tokenizer
         self.keep_decode_logits = keep_decode_logits
+        self.batch_decodes = batch_decodes
         positions = int(getattr(config, "max_position_embeddings", 0) or 0)
         limit = max_model_len or positions
         if positions and limit > positions:
@@ -129,6 +134,7 @@ class TorchRunner:
         max_model_len: int | None = None,
         num_threads: int | None = None,
         keep_decode_logits: bool = False,
+        batch_decodes: bool = True,
     ) -> TorchRunner:
         """Resolve ``spec`` (see :func:`kvmesh.core.models.resolve_model`) and load it.
 
@@ -138,7 +144,7 @@ class TorchRunner:
             dtype: one of :data:`DTYPES`; default float32 on CPU, bfloat16 on CUDA.
             max_model_len: cap on prompt + output tokens.
             num_threads: if given, ``torch.set_num_threads`` (process-wide) for CPU inference.
-            keep_decode_logits: see ``__init__``.
+            keep_decode_logits, batch_decodes: see ``__init__``.
 
         Raises:
             ModelLoadError: files missing or unreadable, or CUDA requested but unavailable.
@@ -170,6 +176,7 @@ class TorchRunner:
             max_model_len=max_model_len,
             tokenizer=tokenizer,
             keep_decode_logits=keep_decode_logits,
+            batch_decodes=batch_decodes,
         )
 
     async def execute(self, plan: StepPlan) -> StepOutput:
@@ -194,7 +201,12 @@ class TorchRunner:
         with torch.inference_mode():
             for chunk, (start, end, kv) in zip(plan.prefills, prepared, strict=True):
                 self._run_prefill(chunk.seq, start, end, kv, out)
-            for seq in plan.decodes:
+            single = [s for s in plan.decodes if _num_pending(s) == 1]
+            batched = single if self.batch_decodes and len(single) > 1 else []
+            rest = [s for s in plan.decodes if not any(s is b for b in batched)]
+            if batched:
+                self._run_decode_batch(batched, out)
+            for seq in rest:
                 self._run_decode(seq, out)
         return out
 
@@ -324,11 +336,66 @@ class TorchRunner:
         if self.keep_decode_logits:
             out.last_logits[seq.request_id] = logits.to(device="cpu", dtype=torch.float32).numpy()
 
+    def _run_decode_batch(self, seqs: list[Sequence], out: StepOutput) -> None:
+        """One forward for many single-token decodes, their caches left-padded to a common length::
+
+            row b:  [ 0 ... 0 | k_0 ... k_(n_b - 1) ] + new token at position n_b
+                      masked    sequence b's cache
+
+        The new token's K/V is then appended to each sequence's own cache.
+        """
+        from transformers import DynamicCache
+
+        states = [s.runner_state for s in seqs]
+        assert all(isinstance(st, _SeqState) for st in states), "decodes validated in execute_sync"
+        lengths = [st.cache.get_seq_length() for st in states]
+        width = max(lengths)
+        batch, layers = len(seqs), []
+        first = states[0].cache.layers[0].keys
+        heads, head_dim = first.shape[1], first.shape[3]
+        for li in range(len(states[0].cache.layers)):
+            keys = torch.zeros((batch, heads, width, head_dim), dtype=first.dtype, device=self.device)
+            values = torch.zeros_like(keys)
+            for b, (st, n) in enumerate(zip(states, lengths, strict=True)):
+                keys[b, :, width - n :] = st.cache.layers[li].keys[0]
+                values[b, :, width - n :] = st.cache.layers[li].values[0]
+            layers.append((keys, values))
+        cache = DynamicCache(ddp_cache_data=layers, config=self.config)
+        mask = torch.zeros((batch, width + 1), dtype=torch.long, device=self.device)
+        for b, n in enumerate(lengths):
+            mask[b, width - n :] = 1
+        ids = torch.tensor([[s.token_ids[-1]] for s in seqs], dtype=torch.long, device=self.device)
+        positions = torch.tensor([[n] for n in lengths], dtype=torch.long, device=self.device)
+        result = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        for b, (seq, st) in enumerate(zip(seqs, states, strict=True)):
+            for li, layer in enumerate(st.cache.layers):
+                new = cache.layers[li]
+                layer.update(new.keys[b : b + 1, :, -1:], new.values[b : b + 1, :, -1:])
+            seq.num_computed_tokens = len(seq.token_ids)
+            logits = result.logits[b, -1]
+            out.sampled[seq.request_id] = sample_token(logits, seq.sampling, st.generator)
+            if self.keep_decode_logits:
+                out.last_logits[seq.request_id] = logits.to(device="cpu", dtype=torch.float32).numpy()
+
     def _forward(self, state: _SeqState, token_ids: list[int]) -> torch.Tensor:
         """Append ``token_ids`` to the cache; return the last position's logits row."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         result = self.model(input_ids=ids, past_key_values=state.cache, use_cache=True, logits_to_keep=1)
         return result.logits[0, -1]
+
+
+def _num_pending(seq: Sequence) -> int:
+    """Tokens of ``seq`` whose KV is not computed yet."""
+    state = seq.runner_state
+    assert isinstance(state, _SeqState), "decodes validated in execute_sync"
+    return len(seq.token_ids) - int(state.cache.get_seq_length())
 
 
 _conforms: type[ModelRunner] = TorchRunner

@@ -9,7 +9,6 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
 
@@ -66,10 +65,11 @@ def _fleet_table(fleet: Any) -> Table:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    from kvmesh.bench.report import make_console
     from kvmesh.fleet.launcher import Fleet, FleetConfig, split_args
     from kvmesh.fleet.process import FleetError
 
-    console = Console()
+    console = make_console()
     config = FleetConfig(
         num_engines=args.engines,
         model=args.model,
@@ -138,4 +138,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         json_path=args.json_path,
         plot_dir=args.plot_dir,
     )
-    return asyncio.run(run_demo(options, Console()))
+    from kvmesh.bench.report import make_console
+
+    return asyncio.run(run_demo(options, make_console()))

@@ -151,7 +151,7 @@ async def run_real(options: DemoOptions, console: Console) -> dict[str, RunResul
 
 async def run_emulated(options: DemoOptions, console: Console) -> dict[str, RunResult]:
     """Part 2: llm-d's four schedulers on an emulated 8-pod Qwen3-32B fleet, scaled to this machine."""
-    scaled = llmd_73_scaled(quick=options.quick)
+    scaled = llmd_73_scaled("quick" if options.quick else "demo")
     console.rule("[bold]2. emulated llm-d fleet: 8 pods Qwen3-32B TP2 H100, four schedulers")
     console.print(f"[dim]{scaled.description}[/dim]")
     engine_args = (
@@ -172,7 +172,9 @@ async def run_emulated(options: DemoOptions, console: Console) -> dict[str, RunR
         await fleet.start()
     try:
         opts = RunOptions(base_url=fleet.url, model="", progress=options.progress, label="emulated")
-        runs = await compare_policies(fleet, scaled.workload, EMULATED_POLICIES, opts)
+        runs = await compare_policies(
+            fleet, scaled.workload, EMULATED_POLICIES, opts, scheduler_configs=scaled.scheduler_configs
+        )
     finally:
         await fleet.aclose()
     console.print(compare_table(runs, title="emulated llm-d 73-capacity (scaled): scheduler comparison"))

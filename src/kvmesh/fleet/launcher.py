@@ -367,25 +367,31 @@ class Fleet:
 
     # --- router ----------------------------------------------------------------------------------
 
-    def _router_argv(self, port: int, policy: str) -> list[str]:
+    def _router_argv(self, port: int, policy: str, scheduler_config: str | None) -> list[str]:
         argv = [sys.executable, "-m", "kvmesh", "router", "--host", HOST, "--port", str(port)]
         argv += ["--endpoints", ",".join(self.engine_urls)]
         if self.config.router_config:
             argv += ["--config", self.config.router_config]
         else:
             argv += ["--policy", policy]
+        if scheduler_config:
+            argv += ["--scheduler-config", scheduler_config]
         return argv + list(self.config.router_args)
 
-    async def start_router(self, policy: str) -> None:
-        """Start the router in front of the current engines with ``policy`` and wait for /health."""
+    async def start_router(self, policy: str, scheduler_config: str | None = None) -> None:
+        """Start the router in front of the current engines and wait for /health.
+
+        Args:
+            policy: the router's ``--policy`` preset (also the label of this router).
+            scheduler_config: a scheduler YAML that replaces the preset's plugins and weights.
+        """
         if self.router is not None:
             await self.stop_router()
         if self._router_port is None:
             (self._router_port,) = free_ports(1)
         port = self._router_port
-        proc = ManagedProcess(
-            "router", self._router_argv(port, policy), self.logs_dir / "router.log", self._env
-        )
+        argv = self._router_argv(port, policy, scheduler_config)
+        proc = ManagedProcess("router", argv, self.logs_dir / "router.log", self._env)
         proc.start()
         self.router = proc
         url = f"http://{HOST}:{port}"

@@ -410,7 +410,9 @@ class Gateway:
                     headers=headers,
                     timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=2.0),
                 )
-            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+                # Refused, reset or closed before any response: the endpoint is gone, and nothing
+                # was generated for this request, so the next endpoint can take it.
                 pool.end_request(pod)
                 pool.report_failure(pod, str(exc))
                 self.metrics.retries.inc()

@@ -30,6 +30,7 @@ from kvmesh.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEv
 from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, BlockHasher, HashAlgo, Namespace
 from kvmesh.core.types import BlockKey, ExternalBlockHash, Medium, PodId
 from kvmesh.router.index import MEDIUM_BITS, BlockIndex, MediumSet
+from kvmesh.router.prefix import as_token_array
 
 DEFAULT_MAX_BLOCKS_PER_POD = 1_000_000
 
@@ -181,9 +182,14 @@ class EventApplier:
         if ev.block_size != bs or len(tokens) < n * bs:
             self.stats.num_bad_events += 1
             return
+        try:
+            token_array = as_token_array(tokens[: n * bs] if len(tokens) > n * bs else tokens)
+        except ValueError:
+            self.stats.num_bad_events += 1
+            return
         if ev.parent_block_hash is None:
             hasher, ns_id = self._hasher_entry(*self._chain_namespace(ev))
-            keys = hasher.hash_blocks(tokens, None, n)
+            keys = hasher.hash_blocks(token_array, None, n)
         else:
             parent = blocks.get(ev.parent_block_hash)
             if parent is None:
@@ -192,7 +198,7 @@ class EventApplier:
             ns_id = parent[1]
             ns = self._namespaces[ns_id]
             hasher = self._hasher_entry(ns.lora, ns.tenant)[0]
-            keys = hasher.hash_blocks(tokens, parent[0], n)
+            keys = hasher.hash_blocks(token_array, parent[0], n)
         get = blocks.get
         for h, key in zip(hashes, keys, strict=True):
             old = get(h)

@@ -297,7 +297,7 @@ class SimReplica:
         self._step_began = now
         ctx_total = self._sum_prompt_decoding + self._private_generated() + d
         if chunks:
-            dt = self.cost.step_time(prefill_ranges, _uniform(d, ctx_total))
+            dt = self.cost.batch_step_time(prefill_ranges, d, ctx_total)
             n_steps = 1
             start = ready
         else:
@@ -307,7 +307,7 @@ class SimReplica:
                 self._start_step()
                 return
             mid_ctx = ctx_total + d * (n_steps // 2)
-            dt = self.cost.step_time((), _uniform(d, mid_ctx))
+            dt = self.cost.batch_step_time((), d, mid_ctx)
             start = now
         self._step_chunks = chunks
         self._step_start = start
@@ -535,11 +535,3 @@ class SimReplica:
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
         self._sync_reservation()
-
-
-def _uniform(d: int, total: int) -> list[int]:
-    """``d`` decode contexts summing to ``total`` (the cost model is linear in each context)."""
-    if d == 0:
-        return []
-    q, r = divmod(total, d)
-    return [q + 1] * r + [q] * (d - r)

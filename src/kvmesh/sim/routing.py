@@ -21,6 +21,7 @@ from kvmesh.core.types import PodId
 from kvmesh.errors import ConfigError
 from kvmesh.router.index import InMemoryIndex
 from kvmesh.router.ingest import EventApplier
+from kvmesh.router.prefix import match_prefix_keys
 from kvmesh.router.scheduler import PRESET_NAMES, Scheduler, load_scheduler_config
 from kvmesh.router.types import EndpointState, RoutingRequest
 from kvmesh.sim.replica import SimReplica, SimRequest
@@ -112,6 +113,7 @@ class SimRouter:
             rng=random.Random(seed),
         )
         self.namespace = self.applier.namespace()
+        self.block_size = block_size
         self.replicas = list(replicas)
         self._by_pod = {r.pod: r for r in self.replicas}
         self.metrics_interval_s = metrics_interval_s
@@ -141,8 +143,9 @@ class SimRouter:
         states = self._states
         for state, n in zip(states, self._in_flight, strict=True):
             state.in_flight = n
+        prefix = match_prefix_keys(self.index, req.keys, len(req.keys), self.block_size)
         decision = self.scheduler.pick(
-            RoutingRequest(req.request_id, req.tokens, self.namespace), list(states)
+            RoutingRequest(req.request_id, req.tokens, self.namespace, prefix=prefix), list(states)
         )
         if decision is None:
             self.num_unroutable += 1

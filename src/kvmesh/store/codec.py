@@ -169,14 +169,21 @@ _FP8_VALUES = _fp8_table()
 
 
 def _fp8_encode(y: np.ndarray) -> np.ndarray:
-    """Round ``y`` (float32, |y| ≤ 448) to the nearest e4m3fn code."""
-    mag = np.abs(y)
-    frac, exp = np.frexp(mag)
-    normal = ((exp.astype(np.int32) + 6) << 3) + np.rint(frac * 16.0 - 8.0).astype(np.int32)
-    sub = np.rint(mag * 512.0).astype(np.int32)
-    code = np.where(mag < 2.0**-6, sub, normal)
+    """Round ``y`` (float32, |y| ≤ 448) to the nearest e4m3fn code, ties to even.
+
+    Normal values round the float32 bit pattern at mantissa bit 20 and rebias the exponent
+    (127 → 7); values below 2^-6 are e4m3 subnormals, multiples of 2^-9.
+    """
+    bits = np.ascontiguousarray(y, dtype=np.float32).view(np.uint32)
+    sign = (bits >> np.uint32(24)) & np.uint32(0x80)
+    mag_bits = bits & np.uint32(0x7FFFFFFF)
+    rounded = (mag_bits + np.uint32(0x7FFFF) + ((mag_bits >> np.uint32(20)) & np.uint32(1))) >> np.uint32(20)
+    normal = rounded.view(np.int32) - np.int32(120 << 3)
+    mag = mag_bits.view(np.float32)
+    sub = np.rint(mag * np.float32(512.0)).astype(np.int32)
+    code = np.where(mag < np.float32(2.0**-6), sub, normal)
     np.clip(code, 0, 126, out=code)
-    code |= np.signbit(y).astype(np.int32) << 7
+    code |= sign.view(np.int32)
     return code.astype(np.uint8)
 
 
@@ -184,18 +191,26 @@ def _row_scales(values: np.ndarray, qmax: float) -> np.ndarray:
     absmax = np.max(np.abs(values), axis=-1)
     if not np.all(np.isfinite(absmax)):
         raise ValueError("KV contains non-finite values; only the raw codec can store them")
-    return np.maximum(absmax / qmax, _SCALE_FLOOR).astype(_SCALE_DTYPE)
+    return np.maximum(absmax / np.float32(qmax), np.float32(_SCALE_FLOOR)).astype(_SCALE_DTYPE)
 
 
 def _quantize(kv: np.ndarray, dtype: str, codec: Codec) -> tuple[np.ndarray, np.ndarray]:
-    values = _as_float32(kv, dtype)
+    """Scales (L, 2, H, T) and codes (L, 2, H, T, D), one layer at a time (cache-sized blocks)."""
     qmax = _INT8_MAX if codec is Codec.INT8 else _FP8_MAX
-    scales = _row_scales(values, qmax)
-    scaled = values / scales.astype(np.float32)[..., None]
-    if codec is Codec.INT8:
-        codes = np.clip(np.rint(scaled), -_INT8_MAX, _INT8_MAX).astype(np.int8)
-    else:
-        codes = _fp8_encode(np.clip(scaled, -_FP8_MAX, _FP8_MAX))
+    scales = np.empty(kv.shape[:-1], dtype=_SCALE_DTYPE)
+    codes = np.empty(kv.shape, dtype=np.int8 if codec is Codec.INT8 else np.uint8)
+    for layer in range(kv.shape[0]):
+        values = _as_float32(kv[layer], dtype)
+        layer_scales = _row_scales(values, qmax)
+        scales[layer] = layer_scales
+        scaled = values / layer_scales.astype(np.float32)[..., None]
+        if codec is Codec.INT8:
+            np.rint(scaled, out=scaled)
+            np.clip(scaled, -_INT8_MAX, _INT8_MAX, out=scaled)
+            codes[layer] = scaled
+        else:
+            np.clip(scaled, -_FP8_MAX, _FP8_MAX, out=scaled)
+            codes[layer] = _fp8_encode(scaled)
     return scales, codes
 
 
@@ -204,14 +219,18 @@ def _dequantize(payload: memoryview, header: ChunkHeader, codec: Codec) -> np.nd
     n_rows = int(np.prod(shape[:-1]))
     scale_bytes = n_rows * _SCALE_DTYPE.itemsize
     scales = np.frombuffer(payload[:scale_bytes], dtype=_SCALE_DTYPE).reshape(shape[:-1])
-    if codec is Codec.INT8:
-        codes = np.frombuffer(payload[scale_bytes:], dtype=np.int8).reshape(shape)
-        values = codes.astype(np.float32)
-    else:
-        codes8 = np.frombuffer(payload[scale_bytes:], dtype=np.uint8).reshape(shape)
-        values = _FP8_VALUES[codes8]
-    values *= scales.astype(np.float32)[..., None]
-    return _from_float32(values, header.dtype)
+    code_dtype = np.int8 if codec is Codec.INT8 else np.uint8
+    codes = np.frombuffer(payload[scale_bytes:], dtype=code_dtype).reshape(shape)
+    out = np.empty(shape, dtype=_STORAGE_DTYPES[header.dtype])
+    values = np.empty(shape[1:], dtype=np.float32)
+    for layer in range(shape[0]):
+        if codec is Codec.INT8:
+            values[...] = codes[layer]
+        else:
+            np.take(_FP8_VALUES, codes[layer], out=values)
+        values *= scales[layer].astype(np.float32)[..., None]
+        out[layer] = _from_float32(values, header.dtype)
+    return out
 
 
 def _expected_payload_len(header: ChunkHeader, codec: Codec) -> int:
@@ -250,14 +269,14 @@ class ChunkCodec:
             raise ValueError(f"KV must be shaped (L, 2, H, T, D), got {kv.shape}")
         name = kv_dtype_name(kv, dtype)
         if self.codec is Codec.RAW:
-            payload_parts: list[bytes | memoryview] = [
+            payload_parts: list[memoryview] = [
                 np.ascontiguousarray(
                     kv.view(_STORAGE_DTYPES[name]) if name == BFLOAT16 else kv, dtype=_STORAGE_DTYPES[name]
                 ).data.cast("B")
             ]
         else:
             scales, codes = _quantize(kv, name, self.codec)
-            payload_parts = [scales.tobytes(), codes.tobytes()]
+            payload_parts = [scales.data.cast("B"), codes.data.cast("B")]
         payload_len = sum(len(p) for p in payload_parts)
         header = ChunkHeader(
             codec=self.codec.value,
@@ -271,11 +290,17 @@ class ChunkCodec:
         header_bytes = _header_encoder.encode(header)
         flags = FLAG_HMAC if self.hmac_key else 0
         prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(header_bytes))
-        body = b"".join([prefix, header_bytes, *payload_parts])
-        parts = [body, _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))]
-        if self.hmac_key:
-            mac = hmac.new(self.hmac_key, body, hashlib.sha256)
-            mac.update(parts[1])
+        parts: list[bytes | memoryview] = [prefix, header_bytes, *payload_parts]
+        digest = xxhash.xxh3_64()
+        mac = hmac.new(self.hmac_key, digestmod=hashlib.sha256) if self.hmac_key else None
+        for part in parts:
+            digest.update(part)
+            if mac is not None:
+                mac.update(part)
+        checksum = _CHECKSUM.pack(digest.intdigest())
+        parts.append(checksum)
+        if mac is not None:
+            mac.update(checksum)
             parts.append(mac.digest())
         return b"".join(parts)
 

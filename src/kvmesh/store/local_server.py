@@ -62,9 +62,17 @@ class LocalServer:
         flavor: "redis" or "valkey".
         maxmemory_bytes: the server's memory cap (``allkeys-lru`` beyond it); 0 for none.
         port: listen here; an ephemeral free port when ``None``.
+        extra_args: more server arguments (e.g. ``["--cluster-enabled", "yes"]``).
     """
 
-    def __init__(self, flavor: str = "redis", *, maxmemory_bytes: int = 0, port: int | None = None) -> None:
+    def __init__(
+        self,
+        flavor: str = "redis",
+        *,
+        maxmemory_bytes: int = 0,
+        port: int | None = None,
+        extra_args: list[str] | None = None,
+    ) -> None:
         binary = find_server_binary(flavor)
         if binary is None:
             raise KVMeshError(f"no {flavor}-server binary found")
@@ -72,6 +80,7 @@ class LocalServer:
         self.binary = binary
         self.maxmemory_bytes = maxmemory_bytes
         self.port = port or _free_port()
+        self.extra_args = list(extra_args or [])
         self._dir = tempfile.TemporaryDirectory(prefix=f"kvmesh-{flavor}-")
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -105,12 +114,15 @@ class LocalServer:
         ]
         if self.maxmemory_bytes:
             args += ["--maxmemory", str(self.maxmemory_bytes), "--maxmemory-policy", "allkeys-lru"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        args += self.extra_args
+        log_path = Path(self._dir.name) / "server.log"
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + _START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise KVMeshError(f"{self.flavor}-server exited with {self.proc.returncode}: {err.strip()}")
+                err = log_path.read_text(errors="replace").strip()[-2000:]
+                raise KVMeshError(f"{self.flavor}-server exited with {self.proc.returncode}: {err}")
             if _ping(self.port):
                 return self
             time.sleep(0.02)
@@ -136,8 +148,6 @@ class LocalServer:
             self.proc.send_signal(signal.SIGCONT)
             self.proc.kill()
         self.proc.wait(timeout=10)
-        if self.proc.stderr:
-            self.proc.stderr.close()
         self.proc = None
 
     def stop(self) -> None:
@@ -151,8 +161,6 @@ class LocalServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=5)
-        if self.proc is not None and self.proc.stderr:
-            self.proc.stderr.close()
         self.proc = None
 
     def close(self) -> None:

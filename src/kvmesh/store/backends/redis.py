@@ -42,6 +42,16 @@ _SCAN_COUNT = 1000
 _UNLINK_BATCH = 512
 
 
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for logs, errors and stats)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit((parts.scheme, f"{user}:***@{netloc}", parts.path, parts.query, parts.fragment))
+
+
 def is_redis_url(url: str) -> bool:
     """Whether ``url`` names a Redis-protocol server this backend can open."""
     return urlsplit(url).scheme.lower() in _SCHEMES
@@ -93,7 +103,7 @@ class RedisBackend:
     ) -> None:
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
-        self.url = url
+        self.url = redact_url(url)
         self.key_prefix = key_prefix
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         real_url, self.cluster = normalize_url(url)
@@ -103,6 +113,8 @@ class RedisBackend:
             "retry": Retry(NoBackoff(), 0),
             "max_connections": max_connections,
         }
+        # redis-py's cluster pipeline does not queue UNLINK (it runs it as a separate coroutine).
+        self._delete_cmd = "delete" if self.cluster else "unlink"
         self._client: Any
         if self.cluster:
             self._client = RedisCluster.from_url(real_url, **options)
@@ -149,7 +161,7 @@ class RedisBackend:
     async def delete_many(self, keys: Sequence[StoreKey]) -> int:
         if not keys:
             return 0
-        replies = await self._pipeline("UNLINK", [("unlink", (self._key(k),), {}) for k in keys])
+        replies = await self._pipeline("UNLINK", [(self._delete_cmd, (self._key(k),), {}) for k in keys])
         return sum(int(r) for r in replies)
 
     async def flush(self, group: str | None = None) -> int:
@@ -168,7 +180,7 @@ class RedisBackend:
         return removed
 
     async def _unlink_names(self, names: list[bytes]) -> int:
-        replies = await self._pipeline("UNLINK", [("unlink", (n,), {}) for n in names])
+        replies = await self._pipeline("UNLINK", [(self._delete_cmd, (n,), {}) for n in names])
         return sum(int(r) for r in replies)
 
     async def ping(self) -> bool:
@@ -183,19 +195,21 @@ class RedisBackend:
             raise self._fail("PING", exc) from exc
 
     async def stats(self) -> BackendStats:
+        extra: dict[str, float | int | str] = {"url": self.url, "cluster": int(self.cluster)}
+        if self.cluster:
+            await self.ping()
+            return BackendStats(kind=self.kind, num_chunks=-1, num_bytes=-1, extra=extra)
         try:
             info = await self._client.info("memory")
         except (RedisError, OSError) as exc:
             raise self._fail("INFO", exc) from exc
-        if self.cluster:
-            info = next(iter(info.values())) if info and isinstance(next(iter(info.values())), dict) else info
+        extra["maxmemory_policy"] = str(info.get("maxmemory_policy", ""))
         return BackendStats(
             kind=self.kind,
             num_chunks=-1,
             num_bytes=int(info.get("used_memory", -1)),
             capacity_bytes=int(info.get("maxmemory", 0) or 0),
-            num_evictions=0,
-            extra={"url": self.url, "maxmemory_policy": str(info.get("maxmemory_policy", ""))},
+            extra=extra,
         )
 
     async def aclose(self) -> None:

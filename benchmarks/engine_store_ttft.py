@@ -1,0 +1,158 @@
+"""Real SmolLM2: TTFT of a shared prefix served cold, from the local cache, and from the store.
+
+    .venv/bin/python benchmarks/engine_store_ttft.py [--prefix-len 2048] [--question-len 64] [--trials 5]
+
+Two engine processes share a directory store. For each trial a fresh prefix of ``--prefix-len``
+tokens (real text) is used:
+
+    cold   reader serves prefix + question A        nothing cached anywhere
+    store  writer serves prefix' + question B; once its chunks are in the shared directory,
+           the reader serves prefix' + question C  reader's device tier misses, the store hits
+    local  reader serves prefix' + question D       reader's device tier hits
+
+TTFT is measured by a streaming client (first SSE chunk). Goals: store ≤ 1.3 × local, cold ≥ 4 × store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from engine_common import start_engine, timed_completion  # noqa: E402
+
+WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+    "quebec romeo sierra tango uniform victor whiskey xray yankee zulu river mountain valley ocean forest "
+    "desert city harbor bridge tower market garden library museum station airport castle village island"
+).split()
+
+
+def text_tokens(http_tokens: list[int], n: int) -> list[int]:
+    assert len(http_tokens) >= n, f"need {n} tokens, have {len(http_tokens)}"
+    return http_tokens[:n]
+
+
+async def tokenize(http: aiohttp.ClientSession, url: str, text: str) -> list[int]:
+    async with http.post(f"{url}/tokenize", json={"prompt": text, "add_special_tokens": False}) as r:
+        return list((await r.json())["tokens"])
+
+
+def passage(seed: int, words: int) -> str:
+    import random
+
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def wait_stored(http: aiohttp.ClientSession, url: str, before: float) -> None:
+    """Wait until the writer reports one more finished store write than ``before``."""
+    for _ in range(600):
+        async with http.get(f"{url}/metrics") as r:
+            text = await r.text()
+        for line in text.splitlines():
+            if line.startswith("kvmesh:store_writes_total") and float(line.rsplit(" ", 1)[1]) > before:
+                return
+        await asyncio.sleep(0.05)
+    raise TimeoutError("the writer never finished its store write")
+
+
+async def store_writes(http: aiohttp.ClientSession, url: str) -> float:
+    async with http.get(f"{url}/metrics") as r:
+        text = await r.text()
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("kvmesh:store_writes_total"))
+
+
+async def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--prefix-len", type=int, default=2048)
+    ap.add_argument("--question-len", type=int, default=64)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per engine process")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-store-") as tmp:
+        store = f"file://{tmp}/shared"
+        common = ["--model", args.model, "--store", store, "--num-threads", str(args.threads)]
+        writer = await start_engine(*common)
+        reader = await start_engine(*common)
+        rows = []
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+                pool = await tokenize(http, reader.url, passage(10_000, args.question_len * 40))
+
+                def question(i: int) -> list[int]:
+                    return pool[i * args.question_len : (i + 1) * args.question_len]
+
+                # Warm both processes (first-call allocations) with an unrelated prompt.
+                for eng in (writer, reader):
+                    await timed_completion(http, eng.url, question(30) * 4, 2)
+                for trial in range(args.trials):
+                    cold_prefix = await tokenize(http, reader.url, passage(2 * trial, args.prefix_len))
+                    shared_prefix = await tokenize(http, reader.url, passage(2 * trial + 1, args.prefix_len))
+                    cold_prefix = text_tokens(cold_prefix, args.prefix_len)
+                    shared_prefix = text_tokens(shared_prefix, args.prefix_len)
+                    q = 4 * trial
+                    cold = await timed_completion(http, reader.url, cold_prefix + question(q), 1)
+                    before = await store_writes(http, writer.url)
+                    await timed_completion(http, writer.url, shared_prefix + question(q + 1), 1)
+                    await wait_stored(http, writer.url, before)
+                    await asyncio.sleep(0.5)  # the write is queued to the shared tier after the RAM tier
+                    from_store = await timed_completion(http, reader.url, shared_prefix + question(q + 2), 1)
+                    local = await timed_completion(http, reader.url, shared_prefix + question(q + 3), 1)
+                    rows.append(
+                        {
+                            "cold_s": cold.ttft,
+                            "store_s": from_store.ttft,
+                            "local_s": local.ttft,
+                            "store_cached_tokens": from_store.cached_tokens,
+                            "local_cached_tokens": local.cached_tokens,
+                        }
+                    )
+                    if not args.json:
+                        print(json.dumps(rows[-1]), file=sys.stderr)
+        finally:
+            await asyncio.gather(writer.stop(), reader.stop())
+    med = {k: statistics.median(r[k] for r in rows) for k in ("cold_s", "store_s", "local_s")}
+    report = {
+        "model": args.model,
+        "prefix_len": args.prefix_len,
+        "question_len": args.question_len,
+        "trials": args.trials,
+        "median_ttft_s": med,
+        "store_over_local": med["store_s"] / med["local_s"],
+        "cold_over_store": med["cold_s"] / med["store_s"],
+        "rows": rows,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"SmolLM2 TTFT, {args.prefix_len}-token shared prefix + {args.question_len}-token question")
+        for col in ("path", "median TTFT s", "cached tokens"):
+            table.add_column(col, justify="right")
+        table.add_row("cold", f"{med['cold_s']:.3f}", "0")
+        table.add_row("store (other engine wrote it)", f"{med['store_s']:.3f}", str(rows[-1]["store_cached_tokens"]))
+        table.add_row("local device tier", f"{med['local_s']:.3f}", str(rows[-1]["local_cached_tokens"]))
+        con = Console()
+        con.print(table)
+        con.print(
+            f"store / local = {report['store_over_local']:.2f} (goal ≤ 1.3); "
+            f"cold / store = {report['cold_over_store']:.1f}× (goal ≥ 4)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -1,0 +1,106 @@
+"""Fleets: routing by the router's own scheduler, KV events into its index, the shared tier."""
+
+import pytest
+from conftest import ListWorkload, spec, tokens
+
+from kvmesh.bench.workloads import MultiTurnWorkload, SharedPrefixWorkload, Stage
+from kvmesh.engine.cost_model import CostModel, get_preset
+from kvmesh.sim.fleet import FleetConfig, FleetSimulation, simulate
+from kvmesh.sim.report import build_report
+
+PRESET = "tiny-h100"
+
+
+def shared_prefix(rate: float = 40.0, duration: float = 10.0, seed: int = 3, groups: int = 12) -> SharedPrefixWorkload:
+    return SharedPrefixWorkload(
+        num_groups=groups, num_prompts_per_group=4, system_prompt_len=1024, question_len=128, output_len=16,
+        stages=[Stage(rate, duration)], seed=seed,
+    )  # fmt: skip
+
+
+def fleet(policy: str, n: int = 4, **kw) -> FleetConfig:
+    return FleetConfig(num_replicas=n, model_preset=PRESET, policy=policy, **kw)
+
+
+def test_precise_routing_finds_more_cache_than_random():
+    wl = shared_prefix()
+    precise = build_report(simulate(fleet("precise"), wl))
+    rnd = build_report(simulate(fleet("random"), wl))
+    assert precise.summary.num_failed == rnd.summary.num_failed == 0
+    assert precise.summary.hit_rate > rnd.summary.hit_rate + 0.1
+    assert precise.summary.ttft.mean < rnd.summary.ttft.mean
+
+
+def test_replica_events_reach_the_routers_index_with_the_engines_keys():
+    sim = FleetSimulation(fleet("precise"))
+    run = sim.run(shared_prefix(duration=3.0))
+    applier = run.router.applier
+    assert applier.stats.num_blocks_stored > 0
+    assert applier.stats.num_bad_events == applier.stats.num_orphans == 0
+    # what the index says a pod holds is exactly what that pod's device cache holds
+    for replica in run.replicas:
+        held = replica.cache.cached_keys()
+        some = next(iter(held))
+        holders = run.router.index.lookup([some])
+        assert holders and replica.pod in holders[0]
+    last = run.requests[-1]
+    assert run.router.index.lookup(last.keys[:1])  # request keys are the index's keys
+
+
+def test_round_robin_spreads_requests_evenly():
+    wl = ListWorkload([spec(i, i * 0.05, tokens(i, 200), 4) for i in range(40)])
+    run = simulate(fleet("round-robin"), wl)
+    assert sorted(r.stats.num_finished for r in run.replicas) == [10, 10, 10, 10]
+
+
+def test_shared_tier_serves_what_other_replicas_computed_and_counts_its_bytes():
+    wl = shared_prefix(groups=48)
+    cfg = fleet("random", shared_tier="redis", net_gbps=100.0)
+    rep = build_report(simulate(cfg, wl))
+    plain = build_report(simulate(fleet("random"), wl))
+    assert rep.tiers.shared_hit_tokens > 0
+    assert rep.summary.hit_rate > plain.summary.hit_rate + 0.1
+    kv_bytes = CostModel(get_preset(PRESET)).model.kv_bytes_per_token
+    assert rep.network.read_bytes == rep.tiers.shared_hit_tokens * kv_bytes
+    assert rep.network.write_bytes > 0 and rep.network.write_bytes % (256 * kv_bytes) == 0
+
+
+def test_a_thin_network_makes_shared_hits_slow():
+    wl = shared_prefix(rate=20.0, duration=6.0)
+    fast = build_report(simulate(fleet("random", shared_tier="redis", net_gbps=400.0), wl))
+    thin = build_report(simulate(fleet("random", shared_tier="redis", net_gbps=0.2), wl))
+    assert thin.summary.ttft.mean > 2 * fast.summary.ttft.mean
+
+
+def test_cpu_tier_hits_after_device_eviction():
+    toks = [tokens(100 + g, 1024) for g in range(8)]
+    specs = [spec(i, i * 0.2, toks[i % 8], 2) for i in range(32)]
+    cfg = fleet("round-robin", n=1, kv_capacity_tokens=4096, cpu_tier_tokens=65536)
+    rep = build_report(simulate(cfg, ListWorkload(specs)))
+    assert rep.tiers.cpu_hit_tokens > 0
+    assert rep.tiers.gpu_hit_tokens == 0  # 8 prompts cycle through a 4-prompt device cache: LRU misses
+
+
+def test_multi_turn_sessions_send_each_turn_after_the_previous_finished():
+    wl = MultiTurnWorkload(num_conversations=6, num_turns=4, tokens_per_turn=200, output_len=20,
+                           conversation_interval_s=0.0)
+    run = simulate(fleet("precise", n=2), wl)
+    by_conv: dict[str, list] = {}
+    for r in run.requests:
+        by_conv.setdefault(r.group, []).append(r)
+    for turns in by_conv.values():
+        turns.sort(key=lambda r: r.index)
+        for prev, nxt in zip(turns, turns[1:], strict=False):
+            assert nxt.arrival >= prev.finish
+            assert nxt.hit_gpu >= prev.prompt_len - 16  # the history is cached (precise keeps sessions home)
+
+
+def test_ttft_estimate_policy_runs_and_uses_the_cost_model():
+    rep = build_report(simulate(fleet("ttft-estimate"), shared_prefix(duration=4.0)))
+    assert rep.summary.num_failed == 0 and rep.summary.hit_rate > 0.3
+
+
+@pytest.mark.parametrize("policy", ["approximate", "load"])
+def test_other_presets_route_every_request(policy):
+    rep = build_report(simulate(fleet(policy), shared_prefix(duration=3.0)))
+    assert rep.summary.num_ok == rep.summary.num_requests > 0
