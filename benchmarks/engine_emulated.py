@@ -24,9 +24,9 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engine_common import percentile, start_engine, timed_completion  # noqa: E402
+from engine_common import percentile, start_engine, timed_completion
 
-from kvmesh.engine.cost_model import CostModel, get_preset  # noqa: E402
+from kvmesh.engine.cost_model import CostModel, get_preset
 
 
 def cold_prompt(rng: random.Random, n: int) -> list[int]:
@@ -59,7 +59,9 @@ async def stage(url: str, rate: float, duration: float, n: int, out_len: int, rn
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(
-                asyncio.create_task(timed_completion(http, url, cold_prompt(rng, n), out_len, ignore_eos=True))
+                asyncio.create_task(
+                    timed_completion(http, url, cold_prompt(rng, n), out_len, ignore_eos=True)
+                )
             )
         results = await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
@@ -94,7 +96,9 @@ async def main() -> int:
         ttfts = await ttft_check(engine.url, args.prompt_len, args.trials, rng)
         stages = []
         for rate in (float(r) for r in args.rates.split(",")):
-            stages.append(await stage(engine.url, rate, args.stage_seconds, args.prompt_len, args.output_len, rng))
+            stages.append(
+                await stage(engine.url, rate, args.stage_seconds, args.prompt_len, args.output_len, rng)
+            )
             if not args.json:
                 print(json.dumps(stages[-1]), file=sys.stderr)
     finally:
@@ -124,7 +128,9 @@ async def main() -> int:
             f"[bold]{args.preset}[/] cold {args.prompt_len}-token TTFT: formula {formula:.3f} s, measured median "
             f"{median:.3f} s (min {min(ttfts):.3f}, max {max(ttfts):.3f}) → ratio {median / formula:.3f}"
         )
-        table = Table(title=f"saturation ({args.prompt_len} cold prompt tokens, {args.output_len} output tokens)")
+        table = Table(
+            title=f"saturation ({args.prompt_len} cold prompt tokens, {args.output_len} output tokens)"
+        )
         for col in ("offered req/s", "done req/s", "output tok/s", "TTFT p50 s", "TTFT p90 s"):
             table.add_column(col, justify="right")
         for s in stages:

@@ -27,13 +27,57 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engine_common import start_engine, timed_completion  # noqa: E402
+from engine_common import start_engine, timed_completion
 
-WORDS = (
-    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
-    "quebec romeo sierra tango uniform victor whiskey xray yankee zulu river mountain valley ocean forest "
-    "desert city harbor bridge tower market garden library museum station airport castle village island"
-).split()
+from kvmesh.store.backends.files import SUFFIX
+
+WORDS = [
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+    "mike",
+    "november",
+    "oscar",
+    "papa",
+    "quebec",
+    "romeo",
+    "sierra",
+    "tango",
+    "uniform",
+    "victor",
+    "whiskey",
+    "xray",
+    "yankee",
+    "zulu",
+    "river",
+    "mountain",
+    "valley",
+    "ocean",
+    "forest",
+    "desert",
+    "city",
+    "harbor",
+    "bridge",
+    "tower",
+    "market",
+    "garden",
+    "library",
+    "museum",
+    "station",
+    "airport",
+    "castle",
+    "village",
+    "island",
+]
 
 
 def text_tokens(http_tokens: list[int], n: int) -> list[int]:
@@ -53,22 +97,17 @@ def passage(seed: int, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-async def wait_stored(http: aiohttp.ClientSession, url: str, before: float) -> None:
-    """Wait until the writer reports one more finished store write than ``before``."""
-    for _ in range(600):
-        async with http.get(f"{url}/metrics") as r:
-            text = await r.text()
-        for line in text.splitlines():
-            if line.startswith("kvmesh:store_writes_total") and float(line.rsplit(" ", 1)[1]) > before:
-                return
+def count_chunks(root: Path) -> int:
+    return sum(1 for p in root.rglob(f"*{SUFFIX}") if p.is_file()) if root.exists() else 0
+
+
+async def wait_chunks(root: Path, at_least: int) -> None:
+    """Wait until the shared directory holds ``at_least`` chunk files (background writes land)."""
+    for _ in range(1200):
+        if count_chunks(root) >= at_least:
+            return
         await asyncio.sleep(0.05)
-    raise TimeoutError("the writer never finished its store write")
-
-
-async def store_writes(http: aiohttp.ClientSession, url: str) -> float:
-    async with http.get(f"{url}/metrics") as r:
-        text = await r.text()
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("kvmesh:store_writes_total"))
+    raise TimeoutError(f"the shared directory never reached {at_least} chunks")
 
 
 async def main() -> int:
@@ -81,7 +120,8 @@ async def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-store-") as tmp:
-        store = f"file://{tmp}/shared"
+        shared_dir = Path(tmp) / "shared"
+        store = f"file://{shared_dir}"
         common = ["--model", args.model, "--store", store, "--num-threads", str(args.threads)]
         writer = await start_engine(*common)
         reader = await start_engine(*common)
@@ -102,11 +142,12 @@ async def main() -> int:
                     cold_prefix = text_tokens(cold_prefix, args.prefix_len)
                     shared_prefix = text_tokens(shared_prefix, args.prefix_len)
                     q = 4 * trial
+                    chunks = args.prefix_len // 256
+                    before = count_chunks(shared_dir)
                     cold = await timed_completion(http, reader.url, cold_prefix + question(q), 1)
-                    before = await store_writes(http, writer.url)
+                    await wait_chunks(shared_dir, before + chunks)  # the reader's own write-back
                     await timed_completion(http, writer.url, shared_prefix + question(q + 1), 1)
-                    await wait_stored(http, writer.url, before)
-                    await asyncio.sleep(0.5)  # the write is queued to the shared tier after the RAM tier
+                    await wait_chunks(shared_dir, before + 2 * chunks)
                     from_store = await timed_completion(http, reader.url, shared_prefix + question(q + 2), 1)
                     local = await timed_completion(http, reader.url, shared_prefix + question(q + 3), 1)
                     rows.append(
@@ -139,11 +180,15 @@ async def main() -> int:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"SmolLM2 TTFT, {args.prefix_len}-token shared prefix + {args.question_len}-token question")
+        table = Table(
+            title=f"SmolLM2 TTFT, {args.prefix_len}-token shared prefix + {args.question_len}-token question"
+        )
         for col in ("path", "median TTFT s", "cached tokens"):
             table.add_column(col, justify="right")
         table.add_row("cold", f"{med['cold_s']:.3f}", "0")
-        table.add_row("store (other engine wrote it)", f"{med['store_s']:.3f}", str(rows[-1]["store_cached_tokens"]))
+        table.add_row(
+            "store (other engine wrote it)", f"{med['store_s']:.3f}", str(rows[-1]["store_cached_tokens"])
+        )
         table.add_row("local device tier", f"{med['local_s']:.3f}", str(rows[-1]["local_cached_tokens"]))
         con = Console()
         con.print(table)

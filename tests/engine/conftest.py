@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -47,3 +48,18 @@ async def make_engine(tiny_tokenizer: Tokenizer) -> AsyncIterator[Callable[..., 
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         yield session
+
+
+@pytest.fixture
+def eventually() -> Callable[..., Any]:
+    """``await eventually(predicate, timeout=10.0)``: poll until it holds; returns its last value."""
+    return _eventually
+
+
+async def _eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` passes; returns its last value."""
+    for _ in range(int(timeout / 0.005)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.005)
+    return predicate()

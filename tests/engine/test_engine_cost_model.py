@@ -60,7 +60,9 @@ def test_kv_load_time_per_tier() -> None:
     cost = CostModel(get_preset("qwen3-32b-h100-tp2"))
     assert cost.kv_load_time(6000, "GPU") == 0.0
     link = cost.preset.tier_links["SHARED"]
-    assert cost.kv_load_time(6000, "shared") == pytest.approx(link.latency + 6000 * 256 * 1024 / link.bandwidth)
+    assert cost.kv_load_time(6000, "shared") == pytest.approx(
+        link.latency + 6000 * 256 * 1024 / link.bandwidth
+    )
     assert cost.kv_load_time(6000, "CPU") < cost.kv_load_time(6000, "DISK")
     assert cost.kv_load_time(0, "DISK") == 0.0
     with pytest.raises(ValueError, match="no link"):
@@ -80,3 +82,23 @@ def test_capacities() -> None:
 def test_unknown_preset_lists_known_ones() -> None:
     with pytest.raises(ValueError, match="qwen3-32b-h100-tp2"):
         get_preset("gpt-9")
+
+
+def test_emulated_runner_charges_the_cost_model() -> None:
+    from kvmesh.engine.emulated_runner import EmulatedRunner
+    from kvmesh.engine.runner import PrefillChunk, SamplingParams, Sequence, StepPlan
+
+    runner = EmulatedRunner("qwen3-32b-h100-tp2")
+    cost = runner.cost
+    cold = Sequence("a", list(range(7200)), 7200, SamplingParams())
+    assert runner.step_seconds(StepPlan([PrefillChunk(cold, 0, 7200)])) == cost.prefill_time(0, 7200)
+    warm = Sequence("b", list(range(7200)), 7200, SamplingParams())
+    plan = StepPlan([PrefillChunk(warm, 6000, 7200, cached_tier="SHARED")])
+    assert runner.step_seconds(plan) == pytest.approx(
+        cost.prefill_time(6000, 7200) + cost.kv_load_time(6000, "SHARED")
+    )
+    local = StepPlan([PrefillChunk(warm, 6000, 7200, cached_tier="GPU")])
+    assert runner.step_seconds(local) == pytest.approx(cost.prefill_time(6000, 7200))
+    decoding = Sequence("c", list(range(101)), 100, SamplingParams(), num_computed_tokens=100)
+    mixed = StepPlan([PrefillChunk(cold, 0, 7200)], [decoding])
+    assert runner.step_seconds(mixed) == cost.step_time([(0, 7200)], [101])

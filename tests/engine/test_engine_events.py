@@ -81,7 +81,9 @@ async def test_events_rehash_to_the_engine_hashes(make_engine) -> None:
         for tenant in ("", "t1"):
             headers = {"x-tenant-id": tenant} if tenant else {}
             async with http.post(
-                f"{eng.url}/v1/completions", json={"prompt": list(range(1, 70)), "max_tokens": 1}, headers=headers
+                f"{eng.url}/v1/completions",
+                json={"prompt": list(range(1, 70)), "max_tokens": 1},
+                headers=headers,
             ) as r:
                 assert r.status == 200
     batches = []

@@ -21,7 +21,10 @@ class RecordingRunner(EmulatedRunner):
 
     async def execute(self, plan: StepPlan) -> StepOutput:
         self.plans.append(
-            ([(c.seq.request_id, c.start, c.end) for c in plan.prefills], [s.request_id for s in plan.decodes])
+            (
+                [(c.seq.request_id, c.start, c.end) for c in plan.prefills],
+                [s.request_id for s in plan.decodes],
+            )
         )
         return await super().execute(plan)
 
@@ -104,8 +107,12 @@ async def test_decode_out_of_blocks_preempts_and_recomputes() -> None:
     core, runner = make_core(capacity_tokens=96)
     await core.start()
     try:
-        a = await core.add_request(EngineRequest("a", [1] * 40, SamplingParams(max_tokens=20, ignore_eos=True)))
-        b = await core.add_request(EngineRequest("b", [2] * 40, SamplingParams(max_tokens=20, ignore_eos=True)))
+        a = await core.add_request(
+            EngineRequest("a", [1] * 40, SamplingParams(max_tokens=20, ignore_eos=True))
+        )
+        b = await core.add_request(
+            EngineRequest("b", [2] * 40, SamplingParams(max_tokens=20, ignore_eos=True))
+        )
         (ta, ra), (tb, rb) = await asyncio.gather(finish(a), finish(b))
     finally:
         await core.aclose()
@@ -116,16 +123,15 @@ async def test_decode_out_of_blocks_preempts_and_recomputes() -> None:
     assert core.cache.num_used_blocks == 0
 
 
-async def test_abort_running_request_frees_slot_and_blocks() -> None:
+async def test_abort_running_request_frees_slot_and_blocks(eventually) -> None:
     core, runner = make_core()
     await core.start()
     try:
         req = await core.add_request(EngineRequest("x", [5] * 100, SamplingParams(max_tokens=100_000 - 200)))
-        while req.num_output_tokens < 3:
-            await asyncio.sleep(0.005)
+        assert await eventually(lambda: req.num_output_tokens >= 3)
         assert core.num_running == 1 and core.cache.num_used_blocks > 0
         core.abort("x")
-        tokens, reason = await finish(req)
+        _, reason = await finish(req)
         assert reason == "abort"
         assert core.num_running == 0 and core.cache.num_used_blocks == 0
         assert runner.freed == ["x"]
@@ -159,7 +165,9 @@ async def test_eos_stops_unless_ignored() -> None:
     await core.start()
     try:
         stop = await core.add_request(EngineRequest("s", [1] * 5, SamplingParams(max_tokens=10)))
-        ignore = await core.add_request(EngineRequest("i", [1] * 5, SamplingParams(max_tokens=10, ignore_eos=True)))
+        ignore = await core.add_request(
+            EngineRequest("i", [1] * 5, SamplingParams(max_tokens=10, ignore_eos=True))
+        )
         (ts, rs), (ti, ri) = await asyncio.gather(finish(stop), finish(ignore))
     finally:
         await core.aclose()

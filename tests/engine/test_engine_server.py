@@ -15,7 +15,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 8
 
 async def post(http: aiohttp.ClientSession, url: str, body: object, **kw) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    async with http.post(url, data=data, headers={"Content-Type": "application/json", **kw.get("headers", {})}) as r:
+    async with http.post(
+        url, data=data, headers={"Content-Type": "application/json", **kw.get("headers", {})}
+    ) as r:
         return r.status, await r.json(content_type=None)
 
 
@@ -60,7 +62,9 @@ async def test_token_ids_and_batch_prompts(make_engine, http) -> None:
 async def test_chat_and_streaming(make_engine, http) -> None:
     eng = await make_engine(stream_interval=0.0)
     status, body = await post(
-        http, f"{eng.url}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        http,
+        f"{eng.url}/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
     )
     assert status == 200 and body["object"] == "chat.completion"
     assert body["choices"][0]["message"]["role"] == "assistant"
@@ -152,7 +156,9 @@ async def test_tokenize_detokenize_and_their_bad_input(make_engine, http) -> Non
     assert status == 200 and body["count"] == len(body["tokens"]) and body["max_model_len"] > 0
     status, back = await post(http, f"{eng.url}/detokenize", {"tokens": body["tokens"]})
     assert status == 200 and back["prompt"] == "hello"
-    status, chat = await post(http, f"{eng.url}/tokenize", {"messages": [{"role": "user", "content": "hello"}]})
+    status, chat = await post(
+        http, f"{eng.url}/tokenize", {"messages": [{"role": "user", "content": "hello"}]}
+    )
     assert status == 200 and chat["count"] > body["count"]
     for url, bad, code, needle in [
         ("/tokenize", {}, 400, "exactly one"),
@@ -213,7 +219,10 @@ async def test_metrics_use_vllm_names_and_count_hits(make_engine, http) -> None:
         assert any(k.startswith(name) for k in samples), name
     hits = value("vllm:prefix_cache_hits_total{")
     assert hits > 0 and value("vllm:prefix_cache_queries_total{") > hits
-    assert samples[f'kvmesh:cached_tokens_total{{model_name="{eng.config.served_model_name}",tier="GPU"}}'] == hits
+    assert (
+        samples[f'kvmesh:cached_tokens_total{{model_name="{eng.config.served_model_name}",tier="GPU"}}']
+        == hits
+    )
     assert value("vllm:time_to_first_token_seconds_count{") == 2
 
 
@@ -234,7 +243,7 @@ async def test_tenants_do_not_share_cache(make_engine, http) -> None:
     assert await cached(extra={"cache_salt": "acme"}) > 0
 
 
-async def test_disconnecting_stream_frees_its_slot(make_engine, http) -> None:
+async def test_disconnecting_stream_frees_its_slot(make_engine, http, eventually) -> None:
     eng = await make_engine(max_num_seqs=1, stream_interval=0.0)
     core = eng.core
     body = {"prompt": PROMPT, "max_tokens": 7000, "stream": True, "ignore_eos": True}
@@ -243,10 +252,7 @@ async def test_disconnecting_stream_frees_its_slot(make_engine, http) -> None:
     await resp.content.readline()
     assert core.num_running == 1 and core.cache.num_used_blocks > 0
     resp.close()  # drop the connection mid-stream
-    for _ in range(500):
-        if core.num_running == 0:
-            break
-        await asyncio.sleep(0.01)
+    assert await eventually(lambda: core.num_running == 0)
     assert core.num_running == 0 and core.cache.num_used_blocks == 0
     assert core.stats.num_aborted == 1
     # The single slot serves the next request.
@@ -254,25 +260,22 @@ async def test_disconnecting_stream_frees_its_slot(make_engine, http) -> None:
     assert status == 200 and done["usage"]["completion_tokens"] == 2
 
 
-async def test_disconnect_while_queued_leaves_the_queue(make_engine, http) -> None:
+async def test_disconnect_while_queued_leaves_the_queue(make_engine, http, eventually) -> None:
     eng = await make_engine(max_num_seqs=1)
     core = eng.core
     hog = asyncio.create_task(
         post(http, f"{eng.url}/v1/completions", {"prompt": "x", "max_tokens": 600, "ignore_eos": True})
     )
-    while core.num_running == 0:
-        await asyncio.sleep(0.005)
+    assert await eventually(lambda: core.num_running == 1)
     async with aiohttp.ClientSession() as other:
-        waiting = asyncio.create_task(other.post(f"{eng.url}/v1/completions", json={"prompt": "y", "max_tokens": 5}))
-        while core.num_waiting == 0:
-            await asyncio.sleep(0.005)
+        waiting = asyncio.create_task(
+            other.post(f"{eng.url}/v1/completions", json={"prompt": "y", "max_tokens": 5})
+        )
+        assert await eventually(lambda: core.num_waiting == 1)
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
-    for _ in range(500):
-        if core.num_waiting == 0:
-            break
-        await asyncio.sleep(0.01)
+    assert await eventually(lambda: core.num_waiting == 0)
     assert core.num_waiting == 0 and core.stats.num_aborted == 1
     status, body = await hog
     assert status == 200 and body["usage"]["completion_tokens"] == 600
@@ -298,3 +301,16 @@ def test_stream_detokenizer_joins_to_full_decode(tiny_tokenizer) -> None:
     pieces.append(detok.flush())
     assert "".join(pieces) == tiny_tokenizer.decode(ids)
     assert "" in pieces  # multi-byte characters were held back until complete
+
+
+async def test_reset_prefix_cache(make_engine, http) -> None:
+    eng = await make_engine()
+    await post(http, f"{eng.url}/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
+    assert eng.core.cache.num_cached_blocks > 0
+    status, body = await post(http, f"{eng.url}/reset_prefix_cache", {})
+    assert status == 200 and body == {"reset": True}
+    assert eng.core.cache.num_cached_blocks == 0
+    async with http.get(f"{eng.url}/reset_prefix_cache") as r:
+        assert r.status == 405
+    async with http.post(f"{eng.url}/kvmesh/info") as r:
+        assert r.status == 405

@@ -41,9 +41,7 @@ async def test_store_round_trip_across_processes(tmp_path: Path) -> None:
             assert local["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
             assert local["choices"][0]["text"] == cold["choices"][0]["text"]
             # Let A's background write reach the shared directory before B looks.
-            while a.core._store_tasks:
-                await asyncio.sleep(0.05)
-            await a.core.store._engine.drain()  # type: ignore[attr-defined]
+            await a.core.wait_store_writes()
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "kvmesh", "engine", "--model", "smollm2", "--store", store_url,
                 "--port", "0", "--num-threads", "1",
@@ -63,7 +61,11 @@ async def test_store_round_trip_across_processes(tmp_path: Path) -> None:
             assert remote["choices"][0]["text"] == cold["choices"][0]["text"]
             async with http.get(f"{ready['url']}/metrics") as r:
                 metrics = await r.text()
-            shared = [ln for ln in metrics.splitlines() if ln.startswith("kvmesh:cached_tokens_total") and "SHARED" in ln]
+            shared = [
+                ln
+                for ln in metrics.splitlines()
+                if ln.startswith("kvmesh:cached_tokens_total") and "SHARED" in ln
+            ]
             assert [float(ln.rsplit(" ", 1)[1]) for ln in shared] == [from_store]
     finally:
         if proc is not None and proc.returncode is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.core.tokens import IncrementalDecoder, Tokenizer
+from kvmesh.core.tokens import Tokenizer
 from kvmesh.errors import RequestError
 
 
@@ -23,6 +23,7 @@ def test_tiny_tokenizer_is_byte_level(tiny_tok: Tokenizer) -> None:
     ids = tiny_tok.encode(text)
     assert len(ids) == len(text.encode("utf-8"))
     assert tiny_tok.decode(ids) == text
+    assert tiny_tok.decode(ids[:2]) == "h\ufffd"  # a cut multi-byte character
     assert tiny_tok.eos_token_ids == (2,)
     assert tiny_tok.vocab_size == 259
 
@@ -80,14 +81,3 @@ def test_bad_messages_are_request_errors(tiny_tok: Tokenizer) -> None:
         tiny_tok.apply_chat_template([{"role": "user", "content": "a"}, {"content": "b"}])
     with pytest.raises(RequestError, match="chat template failed"):
         tiny_tok.apply_chat_template([{"role": "user"}])
-
-
-def test_incremental_decoder_rebuilds_the_text(tiny_tok: Tokenizer) -> None:
-    text = "naïve 東京 🚀 done"
-    ids = tiny_tok.encode(text)
-    decoder = IncrementalDecoder(tiny_tok)
-    deltas = [decoder.push(i) for i in ids]
-    assert "".join(deltas) + decoder.flush() == text
-    assert all("\ufffd" not in d for d in deltas)
-    assert "" in deltas  # multi-byte characters were held back until complete
-    assert decoder.text == text

@@ -172,3 +172,35 @@ def test_out_of_range_token_ids_are_bad_events():
     ap.apply(A, BlockStored([2], None, [2**32] + TOKENS[1:16], 16))
     assert ap.stats.num_bad_events == 2
     assert idx.stats().num_keys == 0
+
+
+def test_key_memo_matches_the_hasher_and_is_filled_from_events():
+    from kvmesh.router.keymemo import BlockKeyMemo
+
+    memo = BlockKeyMemo(capacity=100)
+    idx = InMemoryIndex()
+    ap = EventApplier(idx, model=MODEL, memo=memo)
+    ap.apply(A, BlockStored([1, 2], None, TOKENS[:32], 16, extra_keys=["acme"]))
+    ap.apply(A, BlockStored([3], 2, TOKENS[32:48], 16))
+    assert len(memo) == 3
+    h = hasher("acme")
+    # memo hits for 3 blocks, then hashing takes over mid-chain
+    assert list(iter_block_keys(h, TOKENS, memo)) == h.hash_blocks(TOKENS)
+    # another namespace never hits the tenant's entries
+    assert list(iter_block_keys(hasher(), TOKENS, memo)) == hasher().hash_blocks(TOKENS)
+    assert match_prefix(idx, h, TOKENS, memo).pods[A].num_blocks == 3
+
+
+def test_key_memo_is_bounded_oldest_first():
+    from kvmesh.router.keymemo import BlockKeyMemo
+
+    memo = BlockKeyMemo(capacity=4)
+    h = hasher()
+    keys = h.hash_blocks(TOKENS)
+    raw = b"".join(t.to_bytes(4, "little") for t in TOKENS)
+    memo.remember(h.root, raw, keys)
+    assert len(memo) == 4 and memo.num_evicted == 2
+    assert memo.get(h.root + raw[:64]) is None  # block 0 left first
+    assert memo.get(keys[4] + raw[5 * 64 : 6 * 64]) == keys[5]
+    # with block 0 gone, matching falls back to hashing and still gives the right keys
+    assert list(iter_block_keys(h, TOKENS, memo)) == keys

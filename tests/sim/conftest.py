@@ -19,9 +19,16 @@ class ListWorkload:
 
     def requests(self) -> Iterator[RequestSpec]:
         for s in self.specs:
-            yield RequestSpec(s.request_id, s.arrival_s, list(s.prompt_token_ids), s.output_len,
-                              group=s.group, session_id=s.session_id, stage=s.stage,
-                              reusable_prefix_len=s.reusable_prefix_len)
+            yield RequestSpec(
+                s.request_id,
+                s.arrival_s,
+                list(s.prompt_token_ids),
+                s.output_len,
+                group=s.group,
+                session_id=s.session_id,
+                stage=s.stage,
+                reusable_prefix_len=s.reusable_prefix_len,
+            )
 
 
 def tokens(seed: int, n: int) -> list[int]:

@@ -1,5 +1,7 @@
 """Fleets: routing by the router's own scheduler, KV events into its index, the shared tier."""
 
+import itertools
+
 import pytest
 from conftest import ListWorkload, spec, tokens
 
@@ -11,7 +13,9 @@ from kvmesh.sim.report import build_report
 PRESET = "tiny-h100"
 
 
-def shared_prefix(rate: float = 40.0, duration: float = 10.0, seed: int = 3, groups: int = 12) -> SharedPrefixWorkload:
+def shared_prefix(
+    rate: float = 40.0, duration: float = 10.0, seed: int = 3, groups: int = 12
+) -> SharedPrefixWorkload:
     return SharedPrefixWorkload(
         num_groups=groups, num_prompts_per_group=4, system_prompt_len=1024, question_len=128, output_len=16,
         stages=[Stage(rate, duration)], seed=seed,
@@ -82,15 +86,16 @@ def test_cpu_tier_hits_after_device_eviction():
 
 
 def test_multi_turn_sessions_send_each_turn_after_the_previous_finished():
-    wl = MultiTurnWorkload(num_conversations=6, num_turns=4, tokens_per_turn=200, output_len=20,
-                           conversation_interval_s=0.0)
+    wl = MultiTurnWorkload(
+        num_conversations=6, num_turns=4, tokens_per_turn=200, output_len=20, conversation_interval_s=0.0
+    )
     run = simulate(fleet("precise", n=2), wl)
     by_conv: dict[str, list] = {}
     for r in run.requests:
         by_conv.setdefault(r.group, []).append(r)
     for turns in by_conv.values():
         turns.sort(key=lambda r: r.index)
-        for prev, nxt in zip(turns, turns[1:], strict=False):
+        for prev, nxt in itertools.pairwise(turns):
             assert nxt.arrival >= prev.finish
             assert nxt.hit_gpu >= prev.prompt_len - 16  # the history is cached (precise keeps sessions home)
 

@@ -69,6 +69,17 @@ def test_client_timeout_aborts_queued_and_running_requests_and_frees_their_kv():
     assert 0 < len(failed) < len(run.requests)
     assert any(r.first_token > 0 for r in failed)  # some were aborted mid-decode
     assert all(r.finish - r.arrival == pytest.approx(1.0) for r in failed)
+    assert all(r.finish - r.arrival < 1.0 for r in run.requests if r.failed is None)
+
+
+def test_client_concurrency_cap_holds_requests_at_the_client():
+    wl = ListWorkload([spec(i, 0.0, tokens(40 + i, 300), 20) for i in range(12)])
+    run = simulate(one(max_in_flight=3), wl)
+    sends = sorted(r.arrival for r in run.requests)
+    finishes = sorted(r.finish for r in run.requests)
+    assert sends[:3] == [0.0, 0.0, 0.0]
+    assert sends[3:] == pytest.approx(finishes[:9])  # each later send follows a completion
+    assert max(r.replica for r in run.requests) == 0 and all(r.failed is None for r in run.requests)
     assert run.replicas[0].cache.num_used_blocks == 0
 
 

@@ -27,7 +27,7 @@ NUM_ENGINES = 3
 def workload() -> SharedPrefixWorkload:
     return SharedPrefixWorkload(
         num_groups=6, num_prompts_per_group=4, system_prompt_len=1536, question_len=128, output_len=4,
-        stages=[Stage(3.0, 16.0)], seed=11,
+        stages=[Stage(3.0, 16.0)], seed=11, vocab_size=259,  # tiny-random-llama vocabulary
     )  # fmt: skip
 
 
@@ -37,9 +37,13 @@ async def test_simulator_agrees_with_an_emulated_fleet(tmp_path):
         run_dir=tmp_path / "fleet", health_timeout_s=120,
     )  # fmt: skip
     async with Fleet(launch) as fleet:
-        real = await compare_policies(fleet, workload(), POLICIES, RunOptions(base_url="", model="", progress=False))
+        real = await compare_policies(
+            fleet, workload(), POLICIES, RunOptions(base_url="", model="", progress=False)
+        )
     sim = {
-        p: build_report(simulate(FleetConfig(num_replicas=NUM_ENGINES, model_preset=PRESET, policy=p), workload()))
+        p: build_report(
+            simulate(FleetConfig(num_replicas=NUM_ENGINES, model_preset=PRESET, policy=p), workload())
+        )
         for p in POLICIES
     }
     for p in POLICIES:

@@ -173,13 +173,13 @@ class LocalCluster:
         )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            out = subprocess.run(
-                [cli, "-p", str(self.nodes[0].port), "cluster", "info"],
-                capture_output=True,
-                timeout=5,
-                text=True,
-            ).stdout
-            if "cluster_state:ok" in out:
+            states = [
+                subprocess.run(
+                    [cli, "-p", str(node.port), "cluster", "info"], capture_output=True, timeout=5, text=True
+                ).stdout
+                for node in self.nodes
+            ]
+            if all("cluster_state:ok" in state for state in states):
                 return self
             time.sleep(0.1)
         raise RuntimeError("redis cluster did not reach cluster_state:ok")

@@ -105,47 +105,6 @@ class Tokenizer:
         return str(self._tok.convert_ids_to_tokens(int(token_id)))
 
 
-class IncrementalDecoder:
-    """Turns a growing list of generated ids into text deltas for streaming.
-
-    Holds back a trailing incomplete UTF-8 sequence (decoded as U+FFFD) until its bytes arrive, so
-    concatenating every delta gives ``tokenizer.decode(all_ids)``.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
-        self._tok = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._emitted = ""
-
-    def push(self, token_id: int) -> str:
-        """Add one id; return the new text it completes (possibly empty)."""
-        self._ids.append(int(token_id))
-        text = self._tok.decode(self._ids, skip_special_tokens=self._skip)
-        if text.endswith("\ufffd"):
-            return ""
-        return self._take(text)
-
-    def flush(self) -> str:
-        """Text still held back (a final incomplete character comes out as U+FFFD)."""
-        return self._take(self._tok.decode(self._ids, skip_special_tokens=self._skip))
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far."""
-        return self._emitted
-
-    def _take(self, text: str) -> str:
-        if not text.startswith(self._emitted):
-            # A later token changed how earlier ones decode (rare merges): emit only what is new.
-            common = os.path.commonprefix([text, self._emitted])
-            delta = text[len(common) :]
-        else:
-            delta = text[len(self._emitted) :]
-        self._emitted = text
-        return delta
-
-
 def _eos_ids(hf: Any) -> tuple[int, ...]:
     ids: list[int] = []
     eos = getattr(hf, "eos_token_id", None)

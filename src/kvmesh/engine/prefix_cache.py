@@ -12,6 +12,10 @@ turns reservations into cached blocks; ``free`` unpins them (they become evictab
 and returns what was left of the reservation. Eviction takes the least recently freed block first, and
 a chain's blocks are freed tail first so a chain is evicted from its end, keeping its head reusable.
 
+KV (torch mode) is kept by reference: a block points into the array it was computed or loaded in,
+so caching a 2048-token prefix copies nothing and a hit on it returns a slice. An array lives as long
+as any of its blocks does.
+
 Every change is recorded as a vLLM KV event (medium "GPU"), drained by :meth:`PrefixCache.take_events`.
 The engine's block hash on the wire is the first 8 bytes of the :data:`BlockKey`, big-endian.
 
@@ -43,7 +47,10 @@ class _Block:
     parent: BlockKey | None
     token_ids: list[int]
     ref_count: int = 0
-    kv: np.ndarray | None = None
+    kv_base: np.ndarray | None = None
+    """The array this block's KV lives in (shared with its neighbours; never copied per block)."""
+    kv_offset: int = 0
+    """Token offset of the block inside ``kv_base``."""
 
 
 @dataclass(slots=True)
@@ -132,20 +139,29 @@ class PrefixCache:
         return set(self._blocks)
 
     def get_kv(self, keys: Sequence[BlockKey]) -> np.ndarray | None:
-        """KV of consecutive cached blocks concatenated on the token axis: (L, 2, H, n·block_size, D).
+        """KV of consecutive cached blocks on the token axis: (L, 2, H, n·block_size, D).
+
+        Blocks cached from one array at consecutive offsets come back as one slice of it (no copy);
+        otherwise the runs are concatenated. Treat the result as read-only.
 
         Returns:
             ``None`` when ``keys`` is empty, a block is missing, or blocks carry no KV.
         """
-        arrays = []
+        bs = self.block_size
+        runs: list[tuple[np.ndarray, int, int]] = []
         for key in keys:
             block = self._blocks.get(key)
-            if block is None or block.kv is None:
+            if block is None or block.kv_base is None:
                 return None
-            arrays.append(block.kv)
-        if not arrays:
+            last = runs[-1] if runs else None
+            if last is not None and last[0] is block.kv_base and last[2] == block.kv_offset:
+                runs[-1] = (last[0], last[1], last[2] + bs)
+            else:
+                runs.append((block.kv_base, block.kv_offset, block.kv_offset + bs))
+        if not runs:
             return None
-        return np.concatenate(arrays, axis=3)
+        parts = [base[:, :, :, lo:hi] for base, lo, hi in runs]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=3)
 
     # ---------------------------------------------------------------- accounting
 
@@ -224,7 +240,8 @@ class PrefixCache:
             alloc: the owner; its pinned keys must be a prefix of ``keys``.
             keys: block keys from the request's first block.
             token_ids: the request's tokens (at least ``len(keys) * block_size``).
-            kv: KV of tokens ``[kv_start, len(keys) * block_size)`` or ``None``.
+            kv: KV of tokens ``[kv_start, len(keys) * block_size)`` or ``None``. The cache keeps a
+                reference to it (blocks are slices of it), so the caller must not modify it later.
             kv_start: first token ``kv`` covers; must be ``len(alloc.keys) * block_size`` or less.
             tenant: published in ``extra_keys`` of a chain's first block.
 

@@ -109,6 +109,8 @@ class EngineRequest:
         self.keys: list[BlockKey] = []
         self.alloc: Allocation | None = None
         self.loaded: LoadedPrefix | None = None
+        self.prefix_kv: np.ndarray | None = None
+        """KV of the cached prefix for the first chunk when it came from the store."""
         self.num_cached_tokens = 0
         self.cached_tier: str | None = None
         self.num_output_tokens = 0
@@ -116,7 +118,8 @@ class EngineRequest:
         self.finish_time: float | None = None
         self.finish_reason: str | None = None
         self.aborted = False
-        self.store_task: asyncio.Task[None] | None = None
+        self.store_done: asyncio.Future[None] | None = None
+        """Set while the prompt's KV is being written to the store; done when the write finished."""
         self._store_written = False
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
@@ -220,6 +223,13 @@ class EngineCore:
         if self._store_tasks:
             await asyncio.gather(*self._store_tasks, return_exceptions=True)
         self._publish_events()
+
+    async def wait_store_writes(self) -> None:
+        """Wait until the background store writes started so far reached every store tier."""
+        tasks = list(self._store_tasks)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await self.store.drain()
 
     @property
     def num_waiting(self) -> int:
@@ -358,7 +368,11 @@ class EngineCore:
         chunk = PrefillChunk(seq, start, end)
         if first and start > 0:
             chunk.cached_tier = req.cached_tier
-            chunk.cached_kv = self.cache.get_kv(req.keys[: start // self.cache.block_size])
+            if req.prefix_kv is not None and req.prefix_kv.shape[3] == start:
+                chunk.cached_kv = req.prefix_kv
+            else:
+                chunk.cached_kv = self.cache.get_kv(req.keys[: start // self.cache.block_size])
+            req.prefix_kv = None
         plan.prefills.append(chunk)
         return end - start
 
@@ -382,6 +396,7 @@ class EngineCore:
             )
             if len(alloc.keys) < num_loaded:
                 num_cached = len(alloc.keys)
+            req.prefix_kv = kv[:, :, :, : num_cached * bs]
             tier = req.loaded.tier
         else:
             num_cached = num_local
@@ -516,6 +531,7 @@ class EngineCore:
         # A cached prefix this long was written when it was first computed (or came from the store).
         if n == 0 or n <= req.num_cached_tokens:
             return
+        req.store_done = asyncio.get_running_loop().create_future()
         self._pending_store.append(req)
 
     def _flush_store_writes(self) -> None:
@@ -524,26 +540,44 @@ class EngineCore:
         for req in pending:
             n = (req.num_prompt_tokens // self.store.chunk_size) * self.store.chunk_size
             kv = self.runner.export_kv(req.seq, 0, n)
+            done = req.store_done
+            assert done is not None, "queued store write without its future"
             if kv is None:
+                done.set_result(None)
                 continue
             skip = req.num_cached_tokens
-            task = asyncio.create_task(self._write_store(req.seq.token_ids[:n], req.tenant, kv, skip))
-            req.store_task = task
+            drain = req.role is Role.PREFILL
+            task = asyncio.create_task(
+                self._write_store(req.seq.token_ids[:n], req.tenant, kv, skip, drain, done)
+            )
             self._store_tasks.add(task)
             task.add_done_callback(self._store_tasks.discard)
         deferred, self._deferred_free = self._deferred_free, []
         for seq in deferred:
             self.runner.free(seq)
 
-    async def _write_store(self, tokens: list[int], tenant: str, kv: np.ndarray, skip: int) -> None:
+    async def _write_store(
+        self,
+        tokens: list[int],
+        tenant: str,
+        kv: np.ndarray,
+        skip: int,
+        drain: bool,
+        done: asyncio.Future[None],
+    ) -> None:
         try:
             await self.store.store(tokens, tenant, kv, skip)
+            if drain:
+                await self.store.drain()
             self.stats.num_store_writes += 1
         except Exception:
             # The store's contract is to absorb tier failures; anything that still escapes is a bug
             # there, logged loudly, and must not take the engine down.
             self.stats.num_store_write_failures += 1
             logger.exception("store write failed")
+        finally:
+            if not done.done():
+                done.set_result(None)
 
     def _finish(self, req: EngineRequest, reason: str) -> None:
         if req.finished:
@@ -556,6 +590,10 @@ class EngineCore:
         else:
             self.stats.num_finished += 1
         req._emit(RequestOutput([], finished=True, finish_reason=reason))
+
+    def publish_events(self) -> None:
+        """Send the cache's pending events now (the loop does this after every step)."""
+        self._publish_events()
 
     def _publish_events(self) -> None:
         events = self.cache.take_events()

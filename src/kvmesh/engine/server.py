@@ -6,7 +6,7 @@ Routes::
     POST /v1/chat/completions        messages rendered with the model's chat template
     GET  /v1/models   GET /health   POST /tokenize   POST /detokenize   GET /metrics
     GET  /kvmesh/info                what a router needs to find this engine's event stream
-    GET  /server_info   GET /model_info   GET /version
+    GET  /server_info   GET /model_info   GET /version   POST /reset_prefix_cache
 
 Bad input gets OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
 status. A client that goes away (stream or not) cancels its request, which frees its batch slot
@@ -74,7 +74,8 @@ class ServerConfig:
 
 
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 413: "RequestTooLarge"}
+    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 409: "ConflictError",
+            413: "RequestTooLarge"}  # fmt: skip
     body = {"error": {"message": message, "type": kind.get(status, "InternalServerError"), "param": param,
                       "code": status}}  # fmt: skip
     return web.Response(status=status, body=_json.encode(body), content_type="application/json")
@@ -128,6 +129,7 @@ class EngineServer:
         r.add_get("/server_info", self.info)
         r.add_get("/model_info", self.model_info)
         r.add_get("/version", self.version)
+        r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         self._runner: web.AppRunner | None = None
         self.host = ""
         self.port = 0
@@ -337,9 +339,9 @@ class EngineServer:
 
     async def _maybe_wait_store(self, choice: _Choice) -> None:
         """A prefill-role request returns only once its KV is in the store."""
-        task = choice.req.store_task
-        if choice.req.role is Role.PREFILL and task is not None:
-            await asyncio.shield(task)
+        done = choice.req.store_done
+        if choice.req.role is Role.PREFILL and done is not None:
+            await asyncio.shield(done)
 
     def _transfer_params(self, choice: _Choice) -> dict[str, Any] | None:
         req = choice.req
@@ -509,6 +511,13 @@ class EngineServer:
                 "kv_dtype": info.kv.dtype,
             }
         )
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.StreamResponse:
+        """Drop the device-tier cache (publishes AllBlocksCleared); 409 while requests hold blocks."""
+        if not self.core.cache.reset():
+            raise RequestError("the prefix cache is in use by running requests", status=409)
+        self.core.publish_events()
+        return _ok({"reset": True})
 
     async def version(self, request: web.Request) -> web.StreamResponse:
         from kvmesh import __version__

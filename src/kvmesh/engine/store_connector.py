@@ -43,6 +43,10 @@ class PrefixStore(Protocol):
         """Write the chunks of ``tokens`` (KV (L, 2, H, len(tokens), D)) past ``skip_tokens`` the store lacks."""
         ...
 
+    async def drain(self) -> None:
+        """Wait until queued writes reached every tier (P/D: the decode side must find them)."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -58,6 +62,9 @@ class NullPrefixStore:
         return None
 
     async def store(self, tokens: list[int], tenant: str, kv: np.ndarray, skip_tokens: int = 0) -> None:
+        return None
+
+    async def drain(self) -> None:
         return None
 
     async def aclose(self) -> None:
@@ -93,6 +100,9 @@ class CacheEngineStore:
 
     async def store(self, tokens: list[int], tenant: str, kv: np.ndarray, skip_tokens: int = 0) -> None:
         await self._engine.store(tokens, self._ns(tenant), kv, skip_tokens=skip_tokens)
+
+    async def drain(self) -> None:
+        await self._engine.drain()
 
     async def aclose(self) -> None:
         close = getattr(self._engine, "aclose", None)

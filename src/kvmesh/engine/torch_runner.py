@@ -360,7 +360,7 @@ class TorchRunner:
                 keys[b, :, width - n :] = st.cache.layers[li].keys[0]
                 values[b, :, width - n :] = st.cache.layers[li].values[0]
             layers.append((keys, values))
-        cache = DynamicCache(ddp_cache_data=layers, config=self.config)
+        cache: Any = DynamicCache(ddp_cache_data=layers, config=self.config)
         mask = torch.zeros((batch, width + 1), dtype=torch.long, device=self.device)
         for b, n in enumerate(lengths):
             mask[b, width - n :] = 1

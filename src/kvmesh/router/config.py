@@ -49,6 +49,8 @@ class IndexConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     ttl_s: float | None = None
     """Redis only: entries expire this long after their last write."""
     max_blocks_per_pod: int = 1_000_000
+    key_memo_capacity: int = 262_144
+    """Block keys remembered from event tokens so matching skips re-hashing them (0: off)."""
 
 
 class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
@@ -82,6 +84,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     request_timeout_s: float = 600.0
     max_body_bytes: int = 64 * 1024 * 1024
     """Larger request bodies are answered 413."""
+    tokenize_in_thread: bool = True
+    """Tokenize text prompts on a worker thread (the tokenizer releases the GIL)."""
     seed: int | None = None
     """Seeds the scheduler's random source (ties, random policies)."""
 

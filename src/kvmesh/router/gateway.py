@@ -41,7 +41,9 @@ from kvmesh.router.endpoints import EndpointConfig, EndpointPool, normalize_url
 from kvmesh.router.index import BlockIndex, InMemoryIndex, InstrumentedIndex
 from kvmesh.router.ingest import EventApplier
 from kvmesh.router.intake import EventIntake
+from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.prefix import as_token_array
 from kvmesh.router.scheduler import Scheduler, load_scheduler_config
 from kvmesh.router.types import Decision, PrefixMatch, RoutingRequest
 
@@ -69,8 +71,13 @@ def _error(
     return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json")
 
 
-def _is_token_list(value: Any) -> bool:
-    return isinstance(value, list) and all(type(t) is int and 0 <= t < 2**32 for t in value)
+def _is_token_list(value: list[Any]) -> bool:
+    """Every element an int (not a bool) in [0, 2^32), checked at C speed."""
+    try:
+        as_token_array(msgspec.convert(value, list[int]))
+    except (msgspec.ValidationError, ValueError):
+        return False
+    return True
 
 
 class Gateway:
@@ -100,6 +107,8 @@ class Gateway:
         )
         import random
 
+        memo_capacity = config.index.key_memo_capacity
+        self.memo = BlockKeyMemo(memo_capacity) if memo_capacity > 0 else None
         scheduler_config = (
             config.scheduler if config.scheduler is not None else load_scheduler_config(config.policy)
         )
@@ -111,6 +120,7 @@ class Gateway:
             rng=random.Random(config.seed),
             clock=time.perf_counter,
             on_timing=self.metrics.observe_scorer,
+            memo=self.memo,
         )
         self.model: str | None = config.model
         self.revision: str | None = config.revision
@@ -217,6 +227,7 @@ class Gateway:
             block_size=self.config.block_size,
             algo=HashAlgo(self.config.hash_algo),
             max_blocks_per_pod=self.config.index.max_blocks_per_pod,
+            memo=self.memo,
         )
         self.intake = EventIntake(self.applier, topic=self.config.events_topic)
         for pod, (endpoint, replay) in self._pending_events.items():
@@ -239,8 +250,15 @@ class Gateway:
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"request body larger than {self.config.max_body_bytes} bytes")
         try:
-            body, tokens = self._parse(raw, chat=chat)
+            body, pending = self._parse(raw, chat=chat)
             tenant = self._tenant(request, body)
+            if isinstance(pending, list):
+                tokens = pending
+            elif self.config.tokenize_in_thread:
+                # The tokenizer releases the GIL: text prompts use another core meanwhile.
+                tokens = await asyncio.to_thread(pending)
+            else:
+                tokens = pending()
         except RequestError as exc:
             self.metrics.errors.labels("bad_request").inc()
             return _error(exc.status, exc.message, param=exc.param)
@@ -277,7 +295,8 @@ class Gateway:
         self.metrics.prompt_tokens.inc(len(tokens))
         return await self._forward(request, raw, headers, decision)
 
-    def _parse(self, raw: bytes, *, chat: bool) -> tuple[dict[str, Any], list[int]]:
+    def _parse(self, raw: bytes, *, chat: bool) -> tuple[dict[str, Any], list[int] | Callable[[], list[int]]]:
+        """Validate a body; returns it with its token ids, or a call that tokenizes its text."""
         if not raw:
             raise RequestError("request body is empty; expected a JSON object")
         try:
@@ -299,7 +318,7 @@ class Gateway:
             return body, self._chat_tokens(body.get("messages"))
         return body, self._prompt_tokens(body.get("prompt", None), "prompt" in body)
 
-    def _prompt_tokens(self, prompt: Any, present: bool) -> list[int]:
+    def _prompt_tokens(self, prompt: Any, present: bool) -> list[int] | Callable[[], list[int]]:
         if not present:
             raise RequestError("'prompt' is required", param="prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str | list)):
@@ -307,7 +326,8 @@ class Gateway:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("'prompt' must not be empty", param="prompt")
-            return self.tokenizer.encode(prompt) if self.tokenizer is not None else []
+            tokenizer = self.tokenizer
+            return [] if tokenizer is None else lambda: tokenizer.encode(prompt)
         if isinstance(prompt, list):
             if not prompt:
                 raise RequestError("'prompt' must not be empty", param="prompt")
@@ -321,7 +341,7 @@ class Gateway:
             f"'prompt' must be a string or a list of token ids, got {type(prompt).__name__}", param="prompt"
         )
 
-    def _chat_tokens(self, messages: Any) -> list[int]:
+    def _chat_tokens(self, messages: Any) -> list[int] | Callable[[], list[int]]:
         if not isinstance(messages, list) or not messages:
             raise RequestError("'messages' must be a non-empty list", param="messages")
         for i, message in enumerate(messages):
@@ -332,9 +352,10 @@ class Gateway:
                 raise RequestError(
                     f"messages[{i}].content must be a string or a list of parts", param="messages"
                 )
-        if self.tokenizer is None:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
             return []
-        return self.tokenizer.apply_chat_template(messages)
+        return lambda: tokenizer.apply_chat_template(messages)
 
     @staticmethod
     def _tenant(request: web.Request, body: dict[str, Any]) -> str:
@@ -356,7 +377,7 @@ class Gateway:
         def match() -> PrefixMatch:
             from kvmesh.router.prefix import match_prefix
 
-            return match_prefix(index, self.scheduler.hasher(routing.namespace), routing.tokens)
+            return match_prefix(index, self.scheduler.hasher(routing.namespace), routing.tokens, self.memo)
 
         try:
             return await asyncio.to_thread(match)

@@ -30,6 +30,7 @@ from kvmesh.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEv
 from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, BlockHasher, HashAlgo, Namespace
 from kvmesh.core.types import BlockKey, ExternalBlockHash, Medium, PodId
 from kvmesh.router.index import MEDIUM_BITS, BlockIndex, MediumSet
+from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.prefix import as_token_array
 
 DEFAULT_MAX_BLOCKS_PER_POD = 1_000_000
@@ -73,6 +74,8 @@ class EventApplier:
         algo: the engines' key digest.
         revision: model revision in the namespace.
         max_blocks_per_pod: bound on each pod's engine-hash map.
+        memo: where to keep the keys computed from event tokens, so request matching can skip
+            re-hashing them (``None``: nothing kept).
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class EventApplier:
         algo: HashAlgo = HashAlgo.SHA256,
         revision: str = "",
         max_blocks_per_pod: int = DEFAULT_MAX_BLOCKS_PER_POD,
+        memo: BlockKeyMemo | None = None,
     ) -> None:
         if max_blocks_per_pod <= 0:
             raise ValueError(f"max_blocks_per_pod must be positive, got {max_blocks_per_pod}")
@@ -93,6 +97,7 @@ class EventApplier:
         self.block_size = block_size
         self.algo = HashAlgo(algo)
         self.max_blocks_per_pod = max_blocks_per_pod
+        self.memo = memo
         self.stats = IngestStats()
         self._pods: dict[PodId, dict[ExternalBlockHash, _Entry]] = {}
         self._namespaces: list[Namespace] = []
@@ -189,6 +194,7 @@ class EventApplier:
             return
         if ev.parent_block_hash is None:
             hasher, ns_id = self._hasher_entry(*self._chain_namespace(ev))
+            parent_key = hasher.root
             keys = hasher.hash_blocks(token_array, None, n)
         else:
             parent = blocks.get(ev.parent_block_hash)
@@ -198,7 +204,10 @@ class EventApplier:
             ns_id = parent[1]
             ns = self._namespaces[ns_id]
             hasher = self._hasher_entry(ns.lora, ns.tenant)[0]
-            keys = hasher.hash_blocks(token_array, parent[0], n)
+            parent_key = parent[0]
+            keys = hasher.hash_blocks(token_array, parent_key, n)
+        if self.memo is not None:
+            self.memo.remember(parent_key, token_array[: n * bs].tobytes(), keys)
         get = blocks.get
         for h, key in zip(hashes, keys, strict=True):
             old = get(h)

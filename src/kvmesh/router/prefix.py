@@ -15,6 +15,7 @@ import numpy as np
 from kvmesh.core.hashing import BlockHasher
 from kvmesh.core.types import BlockKey, Medium, PodId
 from kvmesh.router.index import BlockIndex, MediumSet, best_medium
+from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.types import PodMatch, PrefixMatch
 
 DEFAULT_TIER_WEIGHTS: dict[Medium, float] = {
@@ -46,33 +47,55 @@ def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 _MAX_GROUP = 128
+_HEAD_BLOCKS = 2
 
 
-def iter_block_keys(hasher: BlockHasher, tokens: Sequence[int] | np.ndarray) -> Iterator[BlockKey]:
+def iter_block_keys(
+    hasher: BlockHasher, tokens: Sequence[int] | np.ndarray, memo: BlockKeyMemo | None = None
+) -> Iterator[BlockKey]:
     """Yield the chained keys of ``tokens``' full blocks, lazily.
 
-    Blocks are hashed in groups that double in size (2, 4, 8, ... 128 blocks): a cold prompt costs
-    a couple of digests, a long cached one few calls into the hasher.
+    Blocks found in ``memo`` cost a dict probe; the rest are hashed in groups that double in size
+    (2, 4, 8, ... 128 blocks), so a cold prompt costs a couple of digests and a long cached one
+    few calls into the hasher.
     """
     bs = hasher.block_size
     end = hasher.num_full_blocks(len(tokens)) * bs
     if end == 0:
         return
-    tokens = as_token_array(tokens[:end])
     parent: BlockKey | None = None
-    start, group = 0, _FIRST_GROUP
-    while start < end:
-        stop = min(start + group * bs, end)
-        keys = hasher.hash_blocks(tokens[start:stop], parent)
-        yield from keys
-        parent = keys[-1]
-        start, group = stop, min(group * 2, _MAX_GROUP)
+    walking = memo is not None
+    group = _FIRST_GROUP
+    head = min(end, _HEAD_BLOCKS * bs)
+    # Converting a long prompt costs more than hashing its first blocks: a cold prompt stops
+    # being consumed within the head, so only the head is converted before that is known.
+    for seg_start, seg_end in ((0, head), (head, end)):
+        if seg_start >= seg_end:
+            break
+        arr = as_token_array(tokens[seg_start:seg_end])
+        n = seg_end - seg_start
+        off = 0
+        if walking:
+            assert memo is not None
+            known = memo.walk(hasher.root if parent is None else parent, arr.tobytes(), bs * 4)
+            yield from known
+            if known:
+                parent = known[-1]
+                off = len(known) * bs
+            walking = off == n
+        while off < n:
+            stop = min(off + group * bs, n)
+            keys = hasher.hash_blocks(arr[off:stop], parent)
+            yield from keys
+            parent = keys[-1]
+            off, group = stop, min(group * 2, _MAX_GROUP)
 
 
 def match_prefix(
     index: BlockIndex,
     hasher: BlockHasher,
     tokens: Sequence[int],
+    memo: BlockKeyMemo | None = None,
 ) -> PrefixMatch:
     """Per-pod consecutive cached blocks of ``tokens``.
 
@@ -80,6 +103,7 @@ def match_prefix(
         index: the block index.
         hasher: the request's namespace hasher (same block size and digest as the engines).
         tokens: prompt token ids.
+        memo: keys already computed from event tokens (optional; only speeds things up).
 
     Returns:
         A :class:`PrefixMatch`; a pod appears when it holds at least block 0.
@@ -87,7 +111,7 @@ def match_prefix(
     num_blocks = hasher.num_full_blocks(len(tokens))
     if num_blocks == 0:
         return PrefixMatch(0, hasher.block_size)
-    return match_prefix_keys(index, iter_block_keys(hasher, tokens), num_blocks, hasher.block_size)
+    return match_prefix_keys(index, iter_block_keys(hasher, tokens, memo), num_blocks, hasher.block_size)
 
 
 def match_prefix_keys(
@@ -110,7 +134,10 @@ def match_prefix_keys(
     alive: set[PodId] = set(holders_chain[0])
     # Per pod, how many matched blocks had each MediumSet value; turned into tiers at the end.
     by_mask: dict[PodId, list[int]] = {pod: [0] * 16 for pod in alive}
-    for holders in holders_chain:
+    for depth, holders in enumerate(holders_chain):
+        if len(alive) == 1:
+            _count_single(next(iter(alive)), holders_chain, depth, by_mask)
+            break
         if len(alive) > len(holders) or not alive <= holders.keys():
             alive &= holders.keys()
             if not alive:
@@ -127,6 +154,18 @@ def match_prefix_keys(
                 match.blocks_by_tier[tier] = match.blocks_by_tier.get(tier, 0) + n
         pods[pod] = match
     return result
+
+
+def _count_single(
+    pod: PodId, holders_chain: list[dict[PodId, MediumSet]], start: int, by_mask: dict[PodId, list[int]]
+) -> None:
+    """The common tail of a match: one pod left, counted without set arithmetic."""
+    counts = by_mask[pod]
+    for i in range(start, len(holders_chain)):
+        mask = holders_chain[i].get(pod)
+        if mask is None:
+            return
+        counts[mask] += 1
 
 
 def weighted_blocks(match: PodMatch, tier_weights: Mapping[Medium, float] = DEFAULT_TIER_WEIGHTS) -> float:

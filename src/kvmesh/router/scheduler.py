@@ -38,6 +38,7 @@ from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, BlockHasher, HashAlgo, Names
 from kvmesh.core.types import PodId
 from kvmesh.errors import ConfigError
 from kvmesh.router.index import BlockIndex
+from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.plugins.base import Filter, Observer, Params, Picker, PluginContext, Scorer
 from kvmesh.router.plugins.pickers import MaxScorePicker
 from kvmesh.router.plugins.registry import PD_PROFILE_HANDLER, build_plugin, canonical_type
@@ -103,6 +104,7 @@ class Scheduler:
         rng: random source of the built-in picker.
         clock: seconds counter used only to time scorers (``None``: no timing).
         on_timing: called with ``(scorer name, seconds)`` after each scorer runs when ``clock`` is set.
+        memo: block keys already computed from event tokens (speeds up matching; optional).
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class Scheduler:
         rng: random.Random | None = None,
         clock: Callable[[], float] | None = None,
         on_timing: Callable[[str, float], None] | None = None,
+        memo: BlockKeyMemo | None = None,
     ) -> None:
         if not profiles:
             raise ConfigError("a scheduler needs at least one scheduling profile")
@@ -133,6 +136,7 @@ class Scheduler:
         self.rng = rng if rng is not None else random.Random()
         self.clock = clock
         self.on_timing = on_timing
+        self.memo = memo
         self._default_picker = MaxScorePicker(self.rng)
         self._hashers: dict[Namespace, BlockHasher] = {}
 
@@ -147,6 +151,7 @@ class Scheduler:
         rng: random.Random | None = None,
         clock: Callable[[], float] | None = None,
         on_timing: Callable[[str, float], None] | None = None,
+        memo: BlockKeyMemo | None = None,
     ) -> Scheduler:
         """Build a scheduler from a parsed YAML mapping (see the module docstring).
 
@@ -165,6 +170,7 @@ class Scheduler:
             rng=rng,
             clock=clock,
             on_timing=on_timing,
+            memo=memo,
         )
 
     def hasher(self, namespace: Namespace) -> BlockHasher:
@@ -179,7 +185,7 @@ class Scheduler:
         hasher = self.hasher(request.namespace)
         if self.index is None:
             return PrefixMatch(hasher.num_full_blocks(request.num_tokens), self.block_size)
-        return match_prefix(self.index, hasher, request.tokens)
+        return match_prefix(self.index, hasher, request.tokens, self.memo)
 
     def pick(self, request: RoutingRequest, endpoints: list[EndpointState]) -> Decision | None:
         """Choose where ``request`` goes.

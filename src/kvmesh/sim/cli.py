@@ -59,7 +59,9 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-capacity-tokens", type=int, default=None)
     p.add_argument("--net-gbps", type=float, default=100.0, help="replica NIC towards the shared tier, Gb/s")
     p.add_argument("--store-gbps", type=float, default=None, help="the shared store's NIC, Gb/s")
-    p.add_argument("--timeout", type=float, default=None, help="client timeout per request, seconds")
+    p.add_argument(
+        "--timeout", type=float, default=None, help="client timeout per request (seconds from send)"
+    )
     p.add_argument("--gpu-hour-usd", type=float, default=2.5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")

@@ -57,8 +57,11 @@ class FleetConfig:
         gpu_hour_usd: price of one GPU-hour, for cost per 1k requests.
         path_latency_s: time from the client's send to the engine's queue (gateway, tokenization,
             HTTP); it counts in TTFT and E2E.
-        request_timeout_s: the client gives up on a request not finished after this long; the
-            engine aborts it and it counts as failed. ``None`` = wait forever.
+        request_timeout_s: the client gives up on a request not finished this long after it was
+            sent; the engine aborts it and it counts as failed. ``None`` = wait forever.
+        max_in_flight: the client's concurrency cap (inference-perf's workers): a request due while
+            this many are in flight waits at the client and is sent when one finishes; TTFT counts
+            from the actual send. ``None`` = open loop.
         seed: seeds the scheduler's randomness.
     """
 
@@ -81,6 +84,7 @@ class FleetConfig:
     gpu_hour_usd: float = 2.5
     path_latency_s: float = 0.0
     request_timeout_s: float | None = None
+    max_in_flight: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -208,6 +212,8 @@ class FleetSimulation:
         self._busy_sessions: set[str] = set()
         self._session_of: dict[int, str] = {}
         self._pending = 0
+        self._in_flight = 0
+        self._held: deque[SimRequest] = deque()
         self._source: Iterator[RequestSpec] | None = None
         self._index = 0
         self._queue: list[tuple[float, list[int], list[int]]] = []
@@ -225,6 +231,10 @@ class FleetSimulation:
 
     def _on_done(self, req: SimRequest) -> None:
         self.router.done(req)
+        if self.config.max_in_flight is not None:
+            self._in_flight -= 1
+            if self._held:
+                self._send(self._held.popleft())
         self._done.append(req)
         self._pending -= 1
         if self.on_progress is not None:
@@ -274,6 +284,12 @@ class FleetSimulation:
 
     def _send(self, req: SimRequest) -> None:
         cfg = self.config
+        if cfg.max_in_flight is not None:
+            if self._in_flight >= cfg.max_in_flight:
+                self._held.append(req)
+                return
+            self._in_flight += 1
+            req.arrival = self.loop.now
         if cfg.request_timeout_s is not None:
             self.loop.call_at(self.loop.now + cfg.request_timeout_s, self._timeout, req)
         if cfg.path_latency_s > 0:

@@ -94,6 +94,7 @@ class ScenarioPreset:
             max_num_seqs=cfg.max_num_seqs,
             path_latency_s=cfg.path_latency_s,
             request_timeout_s=cfg.request_timeout_s,
+            max_in_flight=cfg.max_in_flight,
             metrics_interval_s=cfg.metrics_interval_s,
             queue_sample_interval_s=cfg.queue_sample_interval_s,
             seed=cfg.seed,
@@ -149,7 +150,8 @@ LLMD_73 = ScenarioPreset(
     },
 )
 
-_STAGES_37 = [(r * 0.6, d) for r, d in _STAGES_73]
+OUTPUT_LEN_37 = 156
+"""Published precise output tok/s (5650) ÷ the mean offered rate of the stage list (36.1 req/s)."""
 
 LLMD_37 = ScenarioPreset(
     name="llmd-37-capacity",
@@ -169,8 +171,8 @@ LLMD_37 = ScenarioPreset(
         num_prompts_per_group=3,
         system_prompt_len=8000,
         question_len=1000,
-        output_len=1000,
-        stages=[Stage(round(r, 2), float(d)) for r, d in _STAGES_37],
+        output_len=OUTPUT_LEN_37,
+        stages=[Stage(float(r), float(d)) for r, d in _STAGES_73],
         arrival="poisson",
         seed=0,
         name="llmd-37-capacity",

@@ -164,13 +164,14 @@ async def _bench_tier(
         await store.put(items)
         await store.drain()
 
-    async def tier_get() -> None:
+    async def tier_get() -> object:
         result = await store.get_prefix(keys)
         assert result.num_chunks == len(keys), f"bench: tier {tier} served {result.num_chunks}/{len(keys)}"
+        return result
 
-    async def tier_retrieve() -> None:
+    async def tier_retrieve() -> object:
         result = await store.get_prefix(keys)
-        np.concatenate([c.chunk.kv for c in result.chunks], axis=3)
+        return np.concatenate([c.chunk.kv for c in result.chunks], axis=3)
 
     for _ in range(iterations):
         await baseline.clear()
@@ -200,7 +201,8 @@ class _Baseline:
     async def put(self, values: list[bytes]) -> None:
         raise NotImplementedError
 
-    async def get(self, n: int) -> None:
+    async def get(self, n: int) -> object:
+        """Read back ``n`` values and return them (freed after the timer stops, as tier reads are)."""
         raise NotImplementedError
 
     async def clear(self) -> None:
@@ -219,9 +221,10 @@ class _MemcpyBaseline(_Baseline):
         for src, held in zip(self._src, self._held, strict=True):
             np.copyto(held, src)
 
-    async def get(self, n: int) -> None:
+    async def get(self, n: int) -> object:
         for held, out in zip(self._held[:n], self._out[:n], strict=True):
             np.copyto(out, held)
+        return self._out
 
 
 class _FileBaseline(_Baseline):
@@ -237,16 +240,18 @@ class _FileBaseline(_Baseline):
             with open(self.root / f"raw-{n}", "wb") as f:
                 f.write(value)
 
-    def _read(self, n: int) -> None:
+    def _read(self, n: int) -> list[bytes]:
+        out = []
         for i in range(n):
             with open(self.root / f"raw-{i}", "rb") as f:
-                f.read()
+                out.append(f.read())
+        return out
 
     async def put(self, values: list[bytes]) -> None:
         await asyncio.to_thread(self._write, values)
 
-    async def get(self, n: int) -> None:
-        await asyncio.to_thread(self._read, n)
+    async def get(self, n: int) -> object:
+        return await asyncio.to_thread(self._read, n)
 
     async def clear(self) -> None:
         for path in self.root.glob("raw-*"):
@@ -267,11 +272,11 @@ class _RedisBaseline(_Baseline):
                 pipe.set(f"kvmesh-bench-raw:{n}", value)
             await pipe.execute()
 
-    async def get(self, n: int) -> None:
+    async def get(self, n: int) -> object:
         async with self.client.pipeline(transaction=False) as pipe:
             for i in range(n):
                 pipe.get(f"kvmesh-bench-raw:{i}")
-            await pipe.execute()
+            return await pipe.execute()
 
     async def clear(self) -> None:
         keys = [k async for k in self.client.scan_iter(match="kvmesh-bench-raw:*")]

@@ -56,23 +56,29 @@ class DiskBackend:
         return self._num_bytes
 
     async def _ensure_loaded(self) -> None:
-        if self._loaded is None:
-            self._loaded = asyncio.get_running_loop().create_future()
-            try:
-                found = await asyncio.to_thread(self._scan)
-            except OSError as exc:
-                self._loaded.set_result(None)
-                self._loaded = None
-                raise TierUnavailableError(f"disk tier {self.root}: cannot read index: {exc}") from exc
-            for key, size in found:
+        """Rebuild the index from the directory once; concurrent callers wait for the first."""
+        while True:
+            if self._loaded is None:
+                break
+            if self._loaded.done():
+                return
+            await asyncio.shield(self._loaded)
+        loading: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._loaded = loading
+        try:
+            found = await asyncio.to_thread(self._scan)
+        except OSError as exc:
+            self._loaded = None
+            loading.set_result(None)
+            raise TierUnavailableError(f"disk tier {self.root}: cannot read index: {exc}") from exc
+        for key, size in found:
+            if key not in self._index:
                 self._index[key] = size
                 self._num_bytes += size
-            doomed = self._evict_for(0)
-            if doomed:
-                await self._run(self._unlink_all, doomed)
-            self._loaded.set_result(None)
-        elif not self._loaded.done():
-            await asyncio.shield(self._loaded)
+        doomed = self._evict_for(0)
+        loading.set_result(None)
+        if doomed:
+            await self._run(self._unlink_all, doomed)
 
     def _scan(self) -> list[tuple[StoreKey, int]]:
         self.root.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,354 @@
+"""Gateway overhead, side by side: direct vs ``kvmesh router`` vs ``sglang-router`` (cache_aware).
+
+    .venv/bin/python benchmarks/router_gateway.py [--backends 3] [--duration 8] [--json]
+
+All three targets front the same backend processes in one run. The backends are minimal
+OpenAI-style servers (this script with ``--serve-backend``) that answer after ``--backend-delay-ms``
+of non-CPU wait, so what is measured is the router, not a model. Prompts are text (shared
+system prefixes + distinct questions), so kvmesh tokenizes them with SmolLM2's tokenizer and
+hashes blocks, as in production; sglang-router runs its radix tree on the text.
+
+sglang-router is installed by this script into its own venv (``--sglang-venv``, default
+``/tmp/kvmesh-sglang-venv``), never into the project's.
+
+Measured per target:
+* throughput: closed loop with ``--concurrency`` clients for ``--duration`` seconds;
+* latency at moderate load: closed loop with ``--moderate-concurrency`` clients; p50/p99 and the
+  difference to direct (``added``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SGLANG_ROUTER_VERSION = "0.3.2"
+MODEL = "bench-model"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------- backend
+
+
+def serve_backend(port: int, delay_ms: float) -> None:
+    """A minimal OpenAI-style backend: fixed answer after ``delay_ms`` of waiting."""
+    from aiohttp import web
+
+    delay = delay_ms / 1000.0
+    body = json.dumps(
+        {
+            "id": "cmpl-bench",
+            "object": "text_completion",
+            "model": MODEL,
+            "choices": [{"index": 0, "text": " ok", "finish_reason": "length"}],
+            "usage": {
+                "prompt_tokens": 100,
+                "completion_tokens": 1,
+                "total_tokens": 101,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            },
+        }
+    ).encode()
+
+    async def completions(request: web.Request) -> web.Response:
+        await request.read()
+        if delay:
+            await asyncio.sleep(delay)
+        return web.Response(body=body, content_type="application/json")
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"status": "ok", "model_path": MODEL, "tokenizer_path": MODEL, "is_generation": True}
+        )
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(
+            text="vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0\n"
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_post("/generate", completions)
+    for path in (
+        "/health",
+        "/health_generate",
+        "/get_server_info",
+        "/get_model_info",
+        "/server_info",
+        "/model_info",
+    ):
+        app.router.add_get(path, ok)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+def wait_http(url: str, timeout: float) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status < 500:
+                    return
+        except urllib.error.HTTPError as exc:
+            if exc.code < 500:
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not up after {timeout}s")
+        time.sleep(0.2)
+
+
+def ensure_sglang_router(venv: Path) -> Path:
+    """The venv's python with sglang-router installed (created on first use)."""
+    python = venv / "bin" / "python"
+    if python.exists():
+        probe = subprocess.run([python, "-c", "import sglang_router"], capture_output=True)
+        if probe.returncode == 0:
+            return python
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", f"sglang-router=={SGLANG_ROUTER_VERSION}"], check=True
+    )
+    return python
+
+
+class Procs:
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+# ---------------------------------------------------------------------------- load
+
+
+def make_prompts(n: int, seed: int = 0, kind: str = "text") -> list[Any]:
+    """Shared system prefixes + distinct questions, as text or as token ids."""
+    rng = random.Random(seed)
+    if kind == "tokens":
+        systems_ids = [[rng.randrange(1000, 40_000) for _ in range(480)] for _ in range(8)]
+        return [rng.choice(systems_ids) + [rng.randrange(1000, 40_000) for _ in range(24)] for _ in range(n)]
+    systems = [
+        f"You are assistant #{g}. " + " ".join(f"Rule {i}: {rng.choice(['be brief', 'cite sources', 'use SI units', 'no jargon'])}." for i in range(60))
+        for g in range(8)
+    ]  # fmt: skip
+    return [f"{rng.choice(systems)}\nQuestion {i}: what is {rng.randrange(10**6)} squared?" for i in range(n)]
+
+
+async def closed_loop(
+    urls: list[str], prompts: list[str], concurrency: int, duration: float
+) -> dict[str, float]:
+    import aiohttp
+
+    latencies: list[float] = []
+    errors = 0
+    stop_at = time.perf_counter() + duration
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def client(c: int) -> None:
+            nonlocal errors
+            i = c
+            while time.perf_counter() < stop_at:
+                url = urls[i % len(urls)]
+                body = {"model": MODEL, "prompt": prompts[i % len(prompts)], "max_tokens": 1}
+                start = time.perf_counter()
+                try:
+                    async with session.post(f"{url}/v1/completions", json=body) as resp:
+                        await resp.read()
+                        ok = resp.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                if ok:
+                    latencies.append(time.perf_counter() - start)
+                else:
+                    errors += 1
+                i += concurrency
+
+        begin = time.perf_counter()
+        await asyncio.gather(*(client(c) for c in range(concurrency)))
+        elapsed = time.perf_counter() - begin
+    latencies.sort()
+    if not latencies:
+        return {"rps": 0.0, "p50_ms": float("nan"), "p99_ms": float("nan"), "errors": errors}
+    return {
+        "rps": len(latencies) / elapsed,
+        "p50_ms": statistics.median(latencies) * 1e3,
+        "p99_ms": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3,
+        "errors": errors,
+    }
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--serve-backend", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--backends", type=int, default=3)
+    parser.add_argument("--backend-delay-ms", type=float, default=5.0)
+    parser.add_argument("--duration", type=float, default=8.0)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--moderate-concurrency", type=int, default=4)
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="alternate the targets this many times; medians reported"
+    )
+    parser.add_argument("--kvmesh-policy", default="precise")
+    parser.add_argument("--sglang-venv", type=Path, default=Path("/tmp/kvmesh-sglang-venv"))
+    parser.add_argument("--skip-sglang", action="store_true")
+    parser.add_argument(
+        "--prompts",
+        choices=["text", "tokens"],
+        default="text",
+        help="text prompts (kvmesh tokenizes them) or token-id prompts (passed through)",
+    )
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.serve_backend:
+        serve_backend(args.serve_backend, args.backend_delay_ms)
+        return 0
+
+    procs = Procs()
+    try:
+        backend_urls = []
+        for _ in range(args.backends):
+            port = free_port()
+            procs.start(
+                [
+                    sys.executable,
+                    __file__,
+                    "--serve-backend",
+                    str(port),
+                    "--backend-delay-ms",
+                    str(args.backend_delay_ms),
+                ]
+            )
+            backend_urls.append(f"http://127.0.0.1:{port}")
+        for url in backend_urls:
+            wait_http(f"{url}/health", 30)
+
+        targets: dict[str, list[str]] = {"direct": backend_urls}
+        kv_port = free_port()
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        procs.start(
+            [sys.executable, "-m", "kvmesh", "router", "--endpoints", ",".join(backend_urls), "--policy",
+             args.kvmesh_policy, "--port", str(kv_port), "--model", MODEL, "--tokenizer", "smollm2",
+             "--log-level", "warning"],
+            env=env,
+        )  # fmt: skip
+        wait_http(f"http://127.0.0.1:{kv_port}/health", 120)
+        targets[f"kvmesh ({args.kvmesh_policy})"] = [f"http://127.0.0.1:{kv_port}"]
+        if not args.skip_sglang:
+            python = ensure_sglang_router(args.sglang_venv)
+            sg_port, sg_prom = free_port(), free_port()
+            procs.start(
+                [str(python), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(sg_port),
+                 "--worker-urls", *backend_urls, "--policy", "cache_aware", "--prometheus-host", "127.0.0.1",
+                 "--prometheus-port", str(sg_prom), "--log-level", "warn"],
+            )  # fmt: skip
+            wait_http(f"http://127.0.0.1:{sg_port}/health", 120)
+            targets["sglang-router (cache_aware)"] = [f"http://127.0.0.1:{sg_port}"]
+
+        prompts = make_prompts(2000, kind=args.prompts)
+        rounds: dict[str, list[dict[str, float]]] = {t: [] for t in targets}
+        for _ in range(args.rounds):
+            for name, urls in targets.items():
+                asyncio.run(closed_loop(urls, prompts, 4, 1.0))  # warm connections and caches
+                heavy = asyncio.run(closed_loop(urls, prompts, args.concurrency, args.duration))
+                moderate = asyncio.run(closed_loop(urls, prompts, args.moderate_concurrency, args.duration))
+                rounds[name].append(
+                    {"rps": heavy["rps"], "errors": heavy["errors"] + moderate["errors"],
+                     "moderate_rps": moderate["rps"], "p50_ms": moderate["p50_ms"], "p99_ms": moderate["p99_ms"]}
+                )  # fmt: skip
+    finally:
+        procs.stop_all()
+
+    results: dict[str, dict[str, float]] = {
+        name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in rounds.items()
+    }
+    direct = results["direct"]
+    for r in results.values():
+        r["added_p50_ms"] = r["p50_ms"] - direct["p50_ms"]
+        r["added_p99_ms"] = r["p99_ms"] - direct["p99_ms"]
+    report: dict[str, Any] = {
+        "config": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "serve_backend"
+        },
+        "results": results,
+    }
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        print()
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"gateway overhead, {args.prompts} prompts: {args.backends} backends ({args.backend_delay_ms:g} ms each), "
+        f"throughput at {args.concurrency} clients, latency at {args.moderate_concurrency}"
+    )
+    for col in (
+        "target",
+        "req/s",
+        "req/s (moderate)",
+        "p50 ms",
+        "p99 ms",
+        "added p50 ms",
+        "added p99 ms",
+        "errors",
+    ):
+        table.add_column(col, justify="right" if col != "target" else "left")
+    for name, r in results.items():
+        table.add_row(
+            name, f"{r['rps']:.0f}", f"{r['moderate_rps']:.0f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
+            f"{r['added_p50_ms']:+.2f}", f"{r['added_p99_ms']:+.2f}", f"{r['errors']:.0f}",
+        )  # fmt: skip
+    Console().print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

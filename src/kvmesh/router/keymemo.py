@@ -1,0 +1,99 @@
+"""Memo of block keys the router has already computed from event tokens.
+
+Hashing dominates prefix matching (one digest per 16 tokens). Every block in the index was hashed
+once, when its BlockStored event arrived; the memo keeps that result::
+
+    parent key (16 B) || block tokens as u32 LE (4·block_size B)  ──►  BlockKey
+
+so matching a request whose prefix is cached somewhere costs a dict probe per block instead of a
+digest. The probe bytes are exactly the digest's input, which makes a hit equal to what
+:class:`~kvmesh.core.hashing.BlockHasher` would return (the parent carries namespace and digest
+choice through the chain root). Blocks no engine announced are never memoized, so the memo only
+ever speeds up matches and holds no more than the index knows. Bounded: oldest entries leave first.
+
+Written from the event loop only; ``get`` from a worker thread is safe (single dict lookups).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvmesh.core.types import BlockKey
+
+DEFAULT_MEMO_CAPACITY = 262_144
+
+
+class BlockKeyMemo:
+    """Bounded map from a block's digest input to its key.
+
+    Args:
+        capacity: most entries kept (about 150 bytes each).
+    """
+
+    def __init__(self, capacity: int = DEFAULT_MEMO_CAPACITY) -> None:
+        if capacity <= 0:
+            raise ValueError(f"memo capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self._keys: dict[bytes, BlockKey] = {}
+        self.num_evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def get(self, probe: bytes) -> BlockKey | None:
+        """The key of ``parent || block tokens``, if memoized."""
+        return self._keys.get(probe)
+
+    def walk(self, parent: BlockKey, raw: bytes, stride: int) -> list[BlockKey]:
+        """Keys of the leading blocks of ``raw`` that are memoized, stopping at the first miss.
+
+        Args:
+            parent: the chain value before the first block of ``raw`` (the hasher's root at a
+                prompt's start).
+            raw: the prompt's tokens as u32 little-endian bytes (whole blocks).
+            stride: bytes per block (``4 * block_size``).
+        """
+        get = self._keys.get
+        out: list[BlockKey] = []
+        append = out.append
+        prev = parent
+        for off in range(0, len(raw) - stride + 1, stride):
+            key = get(prev + raw[off : off + stride])
+            if key is None:
+                break
+            append(key)
+            prev = key
+        return out
+
+    def remember(self, parent: BlockKey, raw: bytes, keys: Sequence[BlockKey]) -> None:
+        """Memoize a chain: ``keys[i]`` is the key of block ``i`` of ``raw`` after ``parent``.
+
+        Args:
+            parent: chain value before the first block (the hasher's root for a prompt start).
+            raw: the blocks' tokens as u32 little-endian bytes, ``len(keys)`` blocks long.
+            keys: the blocks' keys.
+        """
+        if not keys:
+            return
+        memo = self._keys
+        stride = len(raw) // len(keys)
+        prev = parent
+        off = 0
+        for key in keys:
+            memo[prev + raw[off : off + stride]] = key
+            prev = key
+            off += stride
+        excess = len(memo) - self.capacity
+        if excess > 0:
+            self._evict(excess)
+
+    def _evict(self, n: int) -> None:
+        memo = self._keys
+        oldest = []
+        for probe in memo:
+            oldest.append(probe)
+            if len(oldest) >= n:
+                break
+        for probe in oldest:
+            del memo[probe]
+        self.num_evicted += len(oldest)
