@@ -3,9 +3,10 @@
     .venv/bin/python benchmarks/engine_many_pods.py [--pods 8] [--concurrency 16] [--seconds 30]
 
 Each pod gets a closed loop of ``--concurrency`` streaming requests (unique prompts, fixed output
-length). The emulation keeps up when every pod's measured end-to-end latency stays close to what
-the cost model alone predicts for the same batch; the report gives measured / modelled E2E, output
-tokens per second, and the CPU each engine process used.
+length). Side by side in the same run, one engine core drives the same closed loop in-process (no
+HTTP, no other pods): that is what the cost model alone yields. The emulation keeps up when the
+pods' latencies match the reference; the report gives both, their ratio, output tokens per second,
+and the CPU each engine process used.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from engine_common import start_engine, timed_completion
 
-from kvmesh.engine.cost_model import CostModel, get_preset
+from kvmesh.engine.emulated_runner import EmulatedRunner
+from kvmesh.engine.prefix_cache import PrefixCache
+from kvmesh.engine.runner import SamplingParams
+from kvmesh.engine.scheduler import EngineCore, EngineRequest, SchedulerConfig
 
 
 def cpu_seconds(pid: int) -> float:
@@ -34,7 +38,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def closed_loop(url: str, concurrency: int, seconds: float, prompt_len: int, out_len: int, seed: int) -> list:
+async def closed_loop(
+    url: str, concurrency: int, seconds: float, prompt_len: int, out_len: int, seed: int
+) -> list:
     rng = random.Random(seed)
     results = []
     deadline = time.perf_counter() + seconds
@@ -49,6 +55,43 @@ async def closed_loop(url: str, concurrency: int, seconds: float, prompt_len: in
     return results
 
 
+async def reference(preset: str, concurrency: int, seconds: float, prompt_len: int, out_len: int) -> list:
+    """The same closed loop against one in-process engine core: (ttft, e2e) per request."""
+    runner = EmulatedRunner(preset, vocab_size=256)
+    p = runner.preset
+    core = EngineCore(
+        runner,
+        PrefixCache.create_simulated(runner.cost.kv_capacity_tokens()),
+        SchedulerConfig(max_num_seqs=p.max_num_seqs, max_num_batched_tokens=p.max_num_batched_tokens),
+    )
+    await core.start()
+    rng = random.Random(99)
+    results = []
+    deadline = time.perf_counter() + seconds
+    counter = 0
+
+    async def worker() -> None:
+        nonlocal counter
+        while time.perf_counter() < deadline:
+            counter += 1
+            prompt = [rng.randrange(3, 250) for _ in range(prompt_len)]
+            start = time.perf_counter()
+            req = await core.add_request(
+                EngineRequest(f"r{counter}", prompt, SamplingParams(max_tokens=out_len, ignore_eos=True))
+            )
+            ttft = None
+            async for out in req:
+                if ttft is None and out.new_token_ids:
+                    ttft = time.perf_counter() - start
+            results.append((ttft, time.perf_counter() - start))
+
+    try:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    finally:
+        await core.aclose()
+    return results
+
+
 async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pods", type=int, default=8)
@@ -59,6 +102,7 @@ async def main() -> int:
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    ref = await reference(args.preset, args.concurrency, args.seconds, args.prompt_len, args.output_len)
     engines = []
     for _ in range(args.pods):
         engines.append(await start_engine("--model", "tiny-random-llama", "--emulate", args.preset))
@@ -75,23 +119,23 @@ async def main() -> int:
         cpu = [cpu_seconds(e.proc.pid) - c for e, c in zip(engines, cpu0, strict=True)]
     finally:
         await asyncio.gather(*(e.stop() for e in engines))
-    cost = CostModel(get_preset(args.preset))
-    c, n, o = args.concurrency, args.prompt_len, args.output_len
-    # Steady state of a closed loop: c requests decode together; each also pays its own prefill and
-    # shares steps with the other requests' prefills (c prefills of n tokens per round).
-    decode_step = cost.decode_step_time([n + o // 2] * c)
-    modelled_e2e = o * decode_step + c * (cost.prefill_time(0, n) - cost.preset.step_overhead)
     e2es = [r.e2e for rs in per_pod for r in rs]
+    ttfts = [r.ttft for rs in per_pod for r in rs]
+    ref_ttft = statistics.median(t for t, _ in ref)
+    ref_e2e = statistics.median(e for _, e in ref)
     tokens = sum(r.num_tokens for rs in per_pod for r in rs)
     report = {
         "pods": args.pods,
         "preset": args.preset,
-        "concurrency_per_pod": c,
+        "concurrency_per_pod": args.concurrency,
         "requests": len(e2es),
         "output_tok_per_s_total": tokens / wall,
-        "e2e_median_s": statistics.median(e2es),
-        "e2e_modelled_s": modelled_e2e,
-        "e2e_ratio": statistics.median(e2es) / modelled_e2e,
+        "pods_ttft_median_s": statistics.median(ttfts),
+        "reference_ttft_median_s": ref_ttft,
+        "pods_e2e_median_s": statistics.median(e2es),
+        "reference_e2e_median_s": ref_e2e,
+        "e2e_ratio": statistics.median(e2es) / ref_e2e,
+        "ttft_ratio": statistics.median(ttfts) / ref_ttft,
         "engine_cpu_fraction_mean": statistics.fmean(cpu) / wall,
         "engine_cpu_fraction_total": sum(cpu) / wall,
         "cores": os.cpu_count(),

@@ -173,3 +173,44 @@ async def test_eos_stops_unless_ignored() -> None:
         await core.aclose()
     assert (ts, rs) == ([0], "stop")
     assert (len(ti), ri) == (10, "length")
+
+
+class BrokenStore:
+    """A store whose every call fails: the engine must recompute, not fail the request."""
+
+    chunk_size = 16
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def lookup(self, tokens, tenant):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        raise RuntimeError("store bug")
+
+    async def retrieve(self, tokens, tenant):  # type: ignore[no-untyped-def]
+        raise RuntimeError("store bug")
+
+    async def store(self, tokens, tenant, kv, skip_tokens=0):  # type: ignore[no-untyped-def]
+        raise RuntimeError("store bug")
+
+    async def drain(self) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_a_failing_store_means_recompute(caplog) -> None:
+    runner = RecordingRunner()
+    store = BrokenStore()
+    core = EngineCore(runner, PrefixCache(4096, 16, keep_kv=False), store=store)  # type: ignore[arg-type]
+    await core.start()
+    try:
+        req = await core.add_request(EngineRequest("s", list(range(1, 100)), SamplingParams(max_tokens=2)))
+        tokens, reason = await finish(req)
+    finally:
+        await core.aclose()
+    assert (len(tokens), reason) == (2, "length")
+    assert store.calls == 1 and core.stats.num_store_read_failures == 1
+    assert req.num_cached_tokens == 0
+    assert "store lookup failed" in caplog.text

@@ -69,3 +69,18 @@ def redis_cluster() -> Iterator[LocalCluster]:
         yield cluster.start()
     finally:
         cluster.close()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Label tests that start real servers, so ``-m "not redis and not valkey"`` can leave them out."""
+    here = Path(__file__).parent
+    for item in items:
+        if here not in item.path.parents:
+            continue
+        names = set(getattr(item, "fixturenames", ()))
+        callspec = getattr(item, "callspec", None)
+        params = set(map(str, callspec.params.values())) if callspec is not None else set()
+        if names & {"redis_server", "private_redis", "redis_cluster"} or "redis" in params:
+            item.add_marker(pytest.mark.redis)
+        if "valkey_server" in names or "valkey" in params:
+            item.add_marker(pytest.mark.valkey)

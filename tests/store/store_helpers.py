@@ -162,6 +162,13 @@ class LocalCluster:
         cli = shutil.which("redis-cli")
         if cli is None:
             pytest.skip("redis-cli not found; apt-get install redis-server (scripts/system-deps.sh)")
+        try:
+            return self._start(cli)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, cli: str) -> LocalCluster:
         for node in self.nodes:
             node.start()
         addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]

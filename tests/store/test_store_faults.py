@@ -121,6 +121,9 @@ async def test_black_holed_server_costs_a_timeout_per_call_and_never_blocks_the_
         await engine.store(other_tokens, NS, other_kv)
         await engine.drain()
         assert tier.counters.dropped_writes >= 1
+        metrics = engine.metrics.render().decode()
+        assert 'kvmesh_store_breaker_state{tier="redis"} 2.0' in metrics
+        assert 'kvmesh_store_errors_total{reason="timeout",tier="redis"} 2.0' in metrics
     finally:
         private_redis.resume()
         ticking.cancel()

@@ -85,6 +85,7 @@ class EngineStats:
     num_aborted: int = 0
     num_store_writes: int = 0
     num_store_write_failures: int = 0
+    num_store_read_failures: int = 0
     num_steps: int = 0
 
 
@@ -208,6 +209,7 @@ class EngineCore:
         """Start the scheduling loop on the running event loop."""
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="kvmesh-engine-loop")
+            self._task.add_done_callback(self._on_loop_exit)
 
     async def aclose(self) -> None:
         """Stop the loop, abort what is left, wait for pending store writes, flush events."""
@@ -223,6 +225,14 @@ class EngineCore:
         if self._store_tasks:
             await asyncio.gather(*self._store_tasks, return_exceptions=True)
         self._publish_events()
+
+    def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        logger.error("engine loop crashed; failing every request", exc_info=task.exception())
+        self._closing = True
+        for req in list(self._requests.values()):
+            self._finish(req, "error")
 
     async def wait_store_writes(self) -> None:
         """Wait until the background store writes started so far reached every store tier."""
@@ -254,9 +264,14 @@ class EngineCore:
         if self._closing:
             raise RuntimeError("engine is shutting down")
         self._requests[req.request_id] = req
-        req.keys = self.cache.block_keys(req.seq.token_ids, req.tenant)
-        if self.has_store:
-            await self._maybe_load_from_store(req)
+        try:
+            req.keys = self.cache.block_keys(req.seq.token_ids, req.tenant)
+            if self.has_store:
+                await self._maybe_load_from_store(req)
+        except BaseException:
+            # Cancelled while the store answered (the client left), or bad token ids.
+            self._requests.pop(req.request_id, None)
+            raise
         if req.aborted:
             self._finish(req, "abort")
             return req
@@ -285,10 +300,15 @@ class EngineCore:
         probe = req.seq.token_ids[:limit_tokens]
         if len(probe) < self.store.chunk_size or local_tokens >= limit_tokens:
             return
-        stored = await self.store.lookup(probe, req.tenant)
-        if stored <= local_tokens:
+        try:
+            stored = await self.store.lookup(probe, req.tenant)
+            loaded = await self.store.retrieve(probe, req.tenant) if stored > local_tokens else None
+        except Exception:
+            # The store turns tier failures into misses; anything escaping it is a store bug. It is
+            # logged loudly and the request recomputes instead of failing.
+            self.stats.num_store_read_failures += 1
+            logger.exception("store lookup failed; recomputing")
             return
-        loaded = await self.store.retrieve(probe, req.tenant)
         if loaded is None or loaded.num_tokens <= local_tokens:
             return
         num_tokens = min(loaded.num_tokens, limit_tokens)

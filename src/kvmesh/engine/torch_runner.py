@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,7 +144,10 @@ class TorchRunner:
             device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
             dtype: one of :data:`DTYPES`; default float32 on CPU, bfloat16 on CUDA.
             max_model_len: cap on prompt + output tokens.
-            num_threads: if given, ``torch.set_num_threads`` (process-wide) for CPU inference.
+            num_threads: intra-op threads for CPU inference (``torch.set_num_threads``, which is
+                process-wide). ``None`` on CPU means half the cores, at least one: several replicas
+                and their clients usually share a small machine, and oversubscribed OpenMP threads
+                slow every step many times over. Ignored on CUDA unless given.
             keep_decode_logits, batch_decodes: see ``__init__``.
 
         Raises:
@@ -155,7 +159,11 @@ class TorchRunner:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype_name!r}")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
+        if num_threads is None and device == "cpu":
+            num_threads = default_num_threads()
         if num_threads is not None:
+            if num_threads < 1:
+                raise ValueError(f"num_threads must be >= 1, got {num_threads}")
             torch.set_num_threads(num_threads)
         files = resolve_model(spec)
         tokenizer = Tokenizer.from_dir(files.path, name=files.name)
@@ -389,6 +397,15 @@ class TorchRunner:
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         result = self.model(input_ids=ids, past_key_values=state.cache, use_cache=True, logits_to_keep=1)
         return result.logits[0, -1]
+
+
+def default_num_threads() -> int:
+    """CPU threads a replica uses by default: half the cores this process may run on, at least one."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // 2)
 
 
 def _num_pending(seq: Sequence) -> int:

@@ -41,24 +41,35 @@ class DemoOptions:
     progress: bool = True
 
 
-def real_workload(quick: bool, num_replicas: int) -> SharedPrefixWorkload:
-    """The real-model workload: a few groups sharing 512-token system prompts, every prompt twice.
+REAL_SYSTEM_PROMPT_LEN = 256
+REAL_QUESTION_LEN = 16
+REAL_OUTPUT_LEN = 4
+REAL_KV_CAPACITY_TOKENS = 512
+"""Per-replica device-tier KV, in tokens: one group's system prompt and questions fit, two do not.
+As in llm-d's benchmark, the fleet's resident prompt set fits in the fleet's KV only when each group
+stays on one replica; a replica that serves every group (round-robin) keeps evicting."""
 
-    The number of prompts is chosen coprime with the replica count, so round-robin sends a repeated
-    prompt to a different replica than its first occurrence (no accidental per-replica repeat hits).
+
+def real_workload(quick: bool, num_replicas: int) -> SharedPrefixWorkload:
+    """The real-model workload: about one group of prompts per replica, every prompt sent twice.
+
+    The number of prompts is no multiple of the replica count, so round-robin never sends the second
+    occurrence of a prompt to the replica that served the first.
     """
-    groups, per_group = (4, 4) if quick else (6, 4)
-    num_prompts = groups * per_group
-    while num_prompts % num_replicas == 0 or (num_replicas % 2 == 0 and num_prompts % 2 == 0):
-        per_group += 1
-        num_prompts = groups * per_group
+    groups, per_group = num_replicas, 3 if quick else 4
+    if num_replicas > 1:
+        groups, per_group = min(
+            ((g, q) for g in range(groups, groups + num_replicas) for q in range(per_group, per_group + 2)
+             if (g * q) % num_replicas),
+            key=lambda gq: (gq[0] * gq[1], gq),
+        )  # fmt: skip
     return SharedPrefixWorkload(
         num_groups=groups,
         num_prompts_per_group=per_group,
-        system_prompt_len=512,
-        question_len=32,
-        output_len=8,
-        num_requests=2 * num_prompts,
+        system_prompt_len=REAL_SYSTEM_PROMPT_LEN,
+        question_len=REAL_QUESTION_LEN,
+        output_len=REAL_OUTPUT_LEN,
+        num_requests=2 * groups * per_group,
         vocab_size=49_152,
         seed=1,
         name="demo-shared-prefix",
@@ -116,9 +127,10 @@ async def run_real(options: DemoOptions, console: Console) -> dict[str, RunResul
     base_dir = options.run_dir or Path(f"/tmp/kvmesh-demo-{int(time.time())}")
     console.rule(f"[bold]1. real model: {n} SmolLM2-135M replicas, shared-prefix workload")
     console.print(
-        f"[dim]{workload.num_groups} groups × {workload.num_prompts_per_group} prompts, 512-token system prompt + "
-        f"32-token question, 8 output tokens; every prompt sent twice ({workload.num_requests} requests), "
-        f"{n} concurrent clients[/dim]"
+        f"[dim]{workload.num_groups} groups × {workload.num_prompts_per_group} prompts, {REAL_SYSTEM_PROMPT_LEN}-token "
+        f"system prompt + {REAL_QUESTION_LEN}-token question, {REAL_OUTPUT_LEN} output tokens; every prompt sent "
+        f"twice ({workload.num_requests} requests), {n} concurrent clients; {REAL_KV_CAPACITY_TOKENS} KV tokens "
+        f"per replica[/dim]"
     )
     runs: dict[str, RunResult] = {}
     setups: tuple[tuple[str, str, SharedTier], ...] = (
@@ -132,6 +144,7 @@ async def run_real(options: DemoOptions, console: Console) -> dict[str, RunResul
             shared=shared,
             policy=policy,
             run_dir=base_dir / policy,
+            engine_args=["--kv-capacity-tokens", str(REAL_KV_CAPACITY_TOKENS)],
         )
         with console.status(f"starting {n} SmolLM2 engines + router ({label}) ..."):
             fleet = Fleet(config)

@@ -140,7 +140,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             str(backend["kind"]),
             _count(backend["num_chunks"]),
             _count(backend["num_bytes"]),
-            _count(backend["capacity_bytes"]),
+            str(backend["capacity_bytes"] or "unbounded"),
             str(backend["num_evictions"]),
             info["breaker"],
         )

@@ -5,9 +5,10 @@ At start the index is rebuilt from the directory (oldest modification time first
 left by an interrupted write are deleted, and files that are not chunk files are ignored, so a
 restart keeps every complete chunk. File I/O runs in worker threads, never on the event loop.
 
-Space is reserved before a write starts and evictions are decided first, so the bytes on disk never
-exceed the budget, even with writes in flight. A key enters the index only once its file is in
-place, so readers never see a key whose file is still being written.
+Writes, deletes and evictions run one batch at a time (file operations on one key must not
+overtake each other in the thread pool); reads run concurrently with them. Space is reserved and
+evictions are decided before a write starts, so the bytes on disk never exceed the budget. A key
+enters the index only once its file is in place, so readers never see a half-written key.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class DiskBackend:
         self._index: OrderedDict[StoreKey, int] = OrderedDict()
         self._num_bytes = 0
         self._reserved = 0
+        self._generation = 0
+        self._mutation = asyncio.Lock()
         self._loaded: asyncio.Future[None] | None = None
 
     @property
@@ -76,9 +79,11 @@ class DiskBackend:
                 self._index[key] = size
                 self._num_bytes += size
         doomed = self._evict_for(0)
-        loading.set_result(None)
-        if doomed:
-            await self._run(self._unlink_all, doomed)
+        try:
+            if doomed:
+                await self._run(self._unlink_all, doomed)
+        finally:
+            loading.set_result(None)
 
     def _scan(self) -> list[tuple[StoreKey, int]]:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -122,11 +127,13 @@ class DiskBackend:
         wanted = [k for k in keys if k in self._index]
         if not wanted:
             return [None] * len(keys)
+        generation = self._generation
         values = dict(zip(wanted, await self._run(self._read_all, wanted), strict=True))
         out: list[bytes | None] = []
         for key in keys:
             value = values.get(key)
-            if value is None and key in values:
+            if value is None and key in values and generation == self._generation:
+                # The index listed a file that is gone (deleted behind our back): forget it.
                 size = self._index.pop(key, None)
                 if size is not None:
                     self._num_bytes -= size
@@ -137,6 +144,14 @@ class DiskBackend:
 
     async def put_many(self, items: Sequence[tuple[StoreKey, bytes]]) -> int:
         await self._ensure_loaded()
+        async with self._mutation:
+            self._generation += 1
+            try:
+                return await self._put_locked(items)
+            finally:
+                self._generation += 1
+
+    async def _put_locked(self, items: Sequence[tuple[StoreKey, bytes]]) -> int:
         accepted: list[tuple[StoreKey, bytes]] = []
         doomed: list[StoreKey] = []
         for key, value in items:
@@ -176,6 +191,14 @@ class DiskBackend:
 
     async def delete_many(self, keys: Sequence[StoreKey]) -> int:
         await self._ensure_loaded()
+        async with self._mutation:
+            self._generation += 1
+            try:
+                return await self._delete_locked(keys)
+            finally:
+                self._generation += 1
+
+    async def _delete_locked(self, keys: Sequence[StoreKey]) -> int:
         present = []
         for key in keys:
             size = self._index.pop(key, None)

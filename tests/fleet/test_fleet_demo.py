@@ -1,0 +1,45 @@
+"""The demo's real-model workload shape and its explanation."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.bench.metrics import RequestResult, summarize
+from kvmesh.bench.runner import RunResult
+from kvmesh.fleet.demo import REAL_KV_CAPACITY_TOKENS, explain_real, real_workload
+
+
+@pytest.mark.parametrize("quick", [True, False])
+@pytest.mark.parametrize("replicas", [2, 3, 4, 5, 8])
+def test_real_workload_never_repeats_a_prompt_on_the_same_round_robin_replica(quick, replicas):
+    w = real_workload(quick, replicas)
+    specs = list(w.requests())
+    num_prompts = w.num_groups * w.num_prompts_per_group
+    assert len(specs) == 2 * num_prompts
+    first_replica: dict[tuple[int, ...], int] = {}
+    for j, s in enumerate(specs):
+        key = tuple(s.prompt_token_ids)
+        if key in first_replica:
+            assert first_replica[key] != j % replicas
+        else:
+            first_replica[key] = j % replicas
+    # one group's prompts fit a replica's KV, two groups' do not
+    one_group = w.system_prompt_len + w.num_prompts_per_group * w.question_len  # type: ignore[operator]
+    assert one_group <= REAL_KV_CAPACITY_TOKENS < 2 * w.system_prompt_len + 2 * w.question_len  # type: ignore[operator]
+
+
+def _run(label: str, cached: int, ttft: float) -> RunResult:
+    results = [
+        RequestResult(f"{label}{i}", 0, float(i), True, 100, output_tokens=4, cached_tokens=cached,
+                      reusable_prefix_len=80, ttft_s=ttft, e2e_s=ttft + 0.1)
+        for i in range(10)
+    ]  # fmt: skip
+    return RunResult(label, "w", results, [], [], summarize(results), [])
+
+
+def test_explanation_states_the_measured_ratios():
+    text = explain_real(_run("rr", 20, 2.0), _run("precise", 76, 0.5), 4)
+    assert "25% of the reusable tokens (1/4 = 25%)" in text
+    assert "95% of the reusable tokens came from cache" in text
+    assert "p90 TTFT fell 4.0x" in text
+    assert "80% of the prompt tokens" in text

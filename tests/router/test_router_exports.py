@@ -1,0 +1,11 @@
+"""The router package's public names stay deliberate."""
+
+import kvmesh.router as router
+
+
+def test_all_is_sorted_and_complete():
+    assert router.__all__ == sorted(router.__all__)
+    for name in router.__all__:
+        assert getattr(router, name) is not None
+    public = {n for n in vars(router) if not n.startswith("_") and n[0].isupper()}
+    assert public <= set(router.__all__), public - set(router.__all__)
