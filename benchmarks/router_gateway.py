@@ -245,7 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=2, help="alternate the targets this many times; medians reported"
     )
     parser.add_argument("--kvmesh-policy", default="precise")
-    parser.add_argument("--kvmesh-tokenize-inline", action="store_true", help="tokenize on the event loop")
+    parser.add_argument(
+        "--kvmesh-thread-min-chars",
+        type=int,
+        default=None,
+        help="kvmesh: text this long is tokenized on a thread",
+    )
     parser.add_argument("--sglang-venv", type=Path, default=Path("/tmp/kvmesh-sglang-venv"))
     parser.add_argument("--skip-sglang", action="store_true")
     parser.add_argument(
@@ -284,9 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         kv_port = free_port()
         env = dict(os.environ, HF_HUB_OFFLINE="1")
         kv_extra: list[str] = []
-        if args.kvmesh_tokenize_inline:
+        if args.kvmesh_thread_min_chars is not None:
             cfg = Path(f"/tmp/kvmesh-bench-router-{kv_port}.yaml")
-            cfg.write_text("tokenizeInThread: false\n")
+            cfg.write_text(f"tokenizeThreadMinChars: {args.kvmesh_thread_min_chars}\n")
             kv_extra = ["--config", str(cfg)]
         kv_proc = procs.start(
             [sys.executable, "-m", "kvmesh", "router", "--endpoints", ",".join(backend_urls), "--policy",

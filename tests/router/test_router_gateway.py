@@ -397,3 +397,32 @@ async def test_vllm_pod_without_info_uses_configured_event_endpoints(engines):
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 160
         metrics = await (await client.get("/metrics")).text()
         assert "kvmesh_router_predicted_hit_tokens_total 160.0" in metrics
+
+
+async def test_late_and_restarted_engines_are_rediscovered(engines):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    (other,) = await engines(1)
+    async with gateway_client([other], endpoints=[{"url": url}, {"url": other.url}], policy="precise") as (
+        gw,
+        client,
+    ):
+        assert not gw.pool.get(url).state.healthy  # type: ignore[union-attr]
+        late = await FakeEngine("late").start(port)
+        try:
+            await wait_for(lambda: gw.pool.get(url).state.healthy)  # type: ignore[union-attr]
+            await wait_for(lambda: gw.intake is not None and url in gw.intake.sources)
+            assert gw.intake.sources[url][0] == late.publisher.endpoint  # type: ignore[union-attr]
+            await late.stop()
+            await wait_for(lambda: not gw.pool.get(url).state.healthy)  # type: ignore[union-attr]
+            # a new process on the same HTTP port, with new event sockets
+            late = await FakeEngine("late2").start(port)
+            await wait_for(lambda: gw.intake.sources[url][0] == late.publisher.endpoint)  # type: ignore[union-attr]
+            other.healthy = False
+            await wait_for(lambda: not gw.pool.get(other.url).state.healthy)  # type: ignore[union-attr]
+            resp, _ = await completion(client, PROMPT)
+            assert resp.headers[ENDPOINT_HEADER] == url
+            # its blocks arrive through the new event stream
+            await wait_for(lambda: gw.applier.num_blocks(url) == 10)  # type: ignore[union-attr, arg-type]
+        finally:
+            await late.stop()

@@ -169,7 +169,7 @@ def test_match_prefix_requires_consecutive_blocks_per_pod():
 def test_out_of_range_token_ids_are_bad_events():
     idx, ap = make()
     ap.apply(A, BlockStored([1], None, [-1, *TOKENS[1:16]], 16))
-    ap.apply(A, BlockStored([2], None, [2 ** 32, *TOKENS[1:16]], 16))
+    ap.apply(A, BlockStored([2], None, [2**32, *TOKENS[1:16]], 16))
     assert ap.stats.num_bad_events == 2
     assert idx.stats().num_keys == 0
 

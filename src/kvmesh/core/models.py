@@ -108,8 +108,8 @@ def model_cli_name(spec: str | None) -> str:
         spec: a ``--model`` value; ``None`` or ``""`` means the default model.
 
     Returns:
-        ``"HuggingFaceTB/SmolLM2-135M-Instruct"``, ``"kvmesh/tiny-random-llama"``, or the base name
-        of a local directory.
+        ``"HuggingFaceTB/SmolLM2-135M-Instruct"``, ``"kvmesh/tiny-random-llama"``, or for a local
+        directory the name its kvmesh marker records, else its base name (as :func:`resolve_model`).
     """
     spec = spec or DEFAULT_MODEL
     key = spec.strip().lower()
@@ -117,7 +117,9 @@ def model_cli_name(spec: str | None) -> str:
         return SMOLLM2_NAME
     if key in TINY_ALIASES:
         return TINY_NAME
-    return Path(spec).expanduser().resolve().name
+    path = Path(spec).expanduser().resolve()
+    files = _current(path)
+    return files.name if files is not None else path.name
 
 
 def resolve_model(spec: str | None = None) -> ModelFiles:
@@ -257,7 +259,10 @@ def _build_locked(root: Path, final: Path, build: Callable[[Path], ModelFiles]) 
         tmp = Path(tempfile.mkdtemp(prefix=f".{dirname}.", dir=root))
         try:
             _write_marker(tmp, build(tmp))
-            tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared between users
+            # mkdtemp and some writers make files private; the cache may be shared between users.
+            tmp.chmod(0o755)
+            for file in tmp.iterdir():
+                file.chmod(0o644)
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)

@@ -84,8 +84,10 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     request_timeout_s: float = 600.0
     max_body_bytes: int = 64 * 1024 * 1024
     """Larger request bodies are answered 413."""
-    tokenize_in_thread: bool = True
-    """Tokenize text prompts on a worker thread (the tokenizer releases the GIL)."""
+    tokenize_thread_min_chars: int = 0
+    """Text prompts this long or longer are tokenized on a worker thread (the tokenizer releases
+    the GIL, so the event loop keeps serving); shorter ones inline. 0 (default) sends every text
+    prompt to a thread, which measured cheaper per request even for ~1k-character prompts."""
     seed: int | None = None
     """Seeds the scheduler's random source (ties, random policies)."""
 

@@ -22,8 +22,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -81,7 +80,6 @@ class Endpoint:
     replay_endpoint: str | None = None
     consecutive_failures: int = 0
     last_error: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def normalize_url(url: str) -> PodId:
@@ -311,6 +309,7 @@ class EndpointPool:
         if ok:
             if not endpoint.state.healthy:
                 logger.info("endpoint %s back in the pool", endpoint.state.pod)
+                await self._rediscover(endpoint)
             endpoint.consecutive_failures = 0
             endpoint.state.healthy = True
             return
@@ -319,6 +318,25 @@ class EndpointPool:
             logger.warning("endpoint %s out of the pool: health check failed", endpoint.state.pod)
             endpoint.last_error = "health check failed"
             endpoint.state.healthy = False
+
+    async def _rediscover(self, endpoint: Endpoint) -> None:
+        """An endpoint came back: it may be a new process with new event sockets (or its first start)."""
+        pod = endpoint.state.pod
+        if endpoint.config.events_endpoint or self._endpoints.get(pod) is not endpoint:
+            return
+        info, _ = await self._discover(pod)
+        if info is None:
+            return
+        endpoint.info = info
+        if endpoint.config.role is None and info.role in ("both", "prefill", "decode"):
+            endpoint.state.role = Role.parse(info.role)
+        events = _reachable(info.events_endpoint, pod)
+        replay = endpoint.config.replay_endpoint or _reachable(info.replay_endpoint, pod)
+        if (events, replay) == (endpoint.events_endpoint, endpoint.replay_endpoint):
+            return
+        endpoint.events_endpoint, endpoint.replay_endpoint = events, replay
+        if events and self.on_events is not None:
+            self.on_events(pod, events, replay)
 
     async def _health_loop(self) -> None:
         while True:

@@ -32,6 +32,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from yarl import URL
 
 from kvmesh.core.hashing import HashAlgo, Namespace
 from kvmesh.core.types import PodId
@@ -130,7 +131,16 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         self._pending_events: dict[PodId, tuple[str, str | None]] = {}
         self._ids = itertools.count()
+        self._request_timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=2.0)
+        self._urls: dict[tuple[PodId, str], URL] = {}
         self.app = self._build_app()
+
+    def _upstream_url(self, pod: PodId, path: str) -> URL:
+        """Parsed once per (endpoint, route): URL parsing is a visible share of a proxied request."""
+        url = self._urls.get((pod, path))
+        if url is None:
+            url = self._urls[(pod, path)] = URL(f"{pod}{path}")
+        return url
 
     def _make_index(self) -> BlockIndex:
         cfg = self.config.index
@@ -254,7 +264,7 @@ class Gateway:
             tenant = self._tenant(request, body)
             if isinstance(pending, list):
                 tokens = pending
-            elif self.config.tokenize_in_thread:
+            elif self._is_long(body, self.config.tokenize_thread_min_chars):
                 # The tokenizer releases the GIL: text prompts use another core meanwhile.
                 tokens = await asyncio.to_thread(pending)
             else:
@@ -294,6 +304,21 @@ class Gateway:
             raw = msgspec.json.encode(body)
         self.metrics.prompt_tokens.inc(len(tokens))
         return await self._forward(request, raw, headers, decision)
+
+    @staticmethod
+    def _is_long(body: dict[str, Any], min_chars: int) -> bool:
+        """Whether tokenizing ``body``'s text is worth a hop to a worker thread."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return len(prompt) >= min_chars
+        if isinstance(prompt, list):
+            return any(isinstance(p, str) and len(p) >= min_chars for p in prompt)
+        messages = body.get("messages")
+        total = 0
+        for m in messages if isinstance(messages, list) else ():
+            content = m.get("content") if isinstance(m, dict) else None
+            total += len(content) if isinstance(content, str) else min_chars
+        return total >= min_chars
 
     def _parse(self, raw: bytes, *, chat: bool) -> tuple[dict[str, Any], list[int] | Callable[[], list[int]]]:
         """Validate a body; returns it with its token ids, or a call that tokenizes its text."""
@@ -426,10 +451,10 @@ class Gateway:
             pool.begin_request(pod)
             try:
                 upstream = await self._session.post(
-                    f"{pod}{request.path}",
+                    self._upstream_url(pod, request.path),
                     data=raw,
                     headers=headers,
-                    timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=2.0),
+                    timeout=self._request_timeout,
                 )
             except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
                 # Refused, reset or closed before any response: the endpoint is gone, and nothing

@@ -1,0 +1,115 @@
+"""Worker-side execution of load and save plans against one paged KV cache.
+
+A :class:`PagedKVTransfer` owns nothing but references: the engine's per-layer cache tensors and
+a :class:`~kvmesh.integrations.store_bridge.StoreBridge`. Loads block (bounded by the bridge's
+timeout) and write straight into the request's blocks; blocks the store could not fill are
+returned so the engine recomputes them. Saves copy the KV out of the blocks before returning, so
+the engine may reuse the blocks at once, and hand the copy to the bridge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvmesh.integrations.paged_kv import (
+    PagedGeometry,
+    from_store_array,
+    gather,
+    scatter,
+    to_store_array,
+    token_slots,
+)
+from kvmesh.integrations.request_tracker import LoadSpec, SaveSpec
+from kvmesh.integrations.store_bridge import StoreBridge
+
+
+@dataclass(slots=True)
+class TransferStats:
+    """Token counters of one :class:`PagedKVTransfer`."""
+
+    num_loaded_tokens: int = 0
+    num_failed_load_tokens: int = 0
+    num_saved_tokens: int = 0
+    num_refused_save_tokens: int = 0
+
+
+class PagedKVTransfer:
+    """Loads and saves request KV between a paged cache and the store.
+
+    Args:
+        layers: the cache, one tensor per attention layer in model order, all of ``geometry``.
+        geometry: the layers' shape.
+        bridge: the store.
+    """
+
+    def __init__(self, layers: Sequence[torch.Tensor], geometry: PagedGeometry, bridge: StoreBridge) -> None:
+        self.layers = list(layers)
+        self.geometry = geometry
+        self.bridge = bridge
+        self.stats = TransferStats()
+
+    def load(self, spec: LoadSpec) -> set[int]:
+        """Fill tokens ``spec.start..spec.end-1`` from the store.
+
+        Returns:
+            Block ids that were not filled (empty when the whole range loaded); the engine must
+            recompute them.
+        """
+        if spec.end <= spec.start:
+            return set()
+        bs = self.geometry.block_size
+        result = self.bridge.retrieve(spec.token_ids[: spec.end], spec.namespace, max_tokens=spec.end)
+        got = 0
+        if result.kv is not None:
+            got = self._scatter_loaded(spec, result.kv)
+        if got < spec.end:
+            self.stats.num_failed_load_tokens += spec.end - max(got, spec.start)
+            first_bad = max(got, spec.start) // bs
+            last = (spec.end - 1) // bs
+            return set(spec.block_ids[first_bad : last + 1])
+        return set()
+
+    def _scatter_loaded(self, spec: LoadSpec, kv: np.ndarray) -> int:
+        """Write what ``kv`` holds of the span; returns the tokens now valid from 0 (block-aligned
+        at a partial load, so a block is never half-written and reported as good)."""
+        g = self.geometry
+        want = (len(self.layers), 2, g.num_kv_heads, g.head_dim)
+        have = (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4])
+        if kv.ndim != 5 or have != want:
+            return 0
+        end = min(kv.shape[3], spec.end)
+        if end < spec.end:
+            end -= end % g.block_size
+        if end <= spec.start:
+            return 0
+        values = from_store_array(kv[:, :, :, spec.start : end, :], g.dtype)
+        slots = token_slots(spec.block_ids, g.block_size, spec.start, end)
+        scatter(self.layers, g, slots, values)
+        self.stats.num_loaded_tokens += end - spec.start
+        return end
+
+    def save(self, spec: SaveSpec) -> bool:
+        """Copy the KV of the chunks after ``spec.skip_tokens`` out of the cache and start storing it.
+
+        Returns:
+            ``False`` when the store refused the save (too many in flight, closed).
+        """
+        if spec.end <= spec.skip_tokens:
+            return True
+        g = self.geometry
+        start = spec.skip_tokens - spec.skip_tokens % self.bridge.chunk_size
+        slots = token_slots(spec.block_ids, g.block_size, start, spec.end)
+        fresh = to_store_array(gather(self.layers, g, slots))
+        # The store encodes only chunks past skip_tokens; the leading part is never read.
+        kv = np.empty(fresh.shape[:3] + (spec.end,) + fresh.shape[4:], dtype=fresh.dtype)
+        kv[:, :, :, start:, :] = fresh
+        ok = self.bridge.save(spec.token_ids[: spec.end], spec.namespace, kv, skip_tokens=spec.skip_tokens)
+        if ok:
+            self.stats.num_saved_tokens += spec.end - start
+        else:
+            self.stats.num_refused_save_tokens += spec.end - start
+        return ok

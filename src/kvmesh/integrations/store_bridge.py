@@ -1,0 +1,225 @@
+"""Blocking calls into the async store, for engines whose loop is synchronous.
+
+The :class:`~kvmesh.store.cache_engine.KVCacheEngine` lives on a private event loop in its own
+thread. Every call waits at most its timeout: a store that is slow or unreachable turns into a
+miss (lookup, retrieve) or a counted, dropped write (save), never into a stalled caller. Work
+that outlives its timeout keeps running on the private loop and counts against ``max_inflight``;
+once that many calls are outstanding, new calls are refused at no cost until some finish::
+
+    engine thread ──call(timeout)──► private loop thread ──► KVCacheEngine ──► tiers
+          ▲                               │
+          └─────── result | miss ◄────────┘
+
+Saves do not block: the caller hands over a finished numpy array and gets ``False`` back when the
+save was refused (too many in flight, bridge closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from kvmesh.core.hashing import Namespace
+from kvmesh.errors import KVMeshError
+from kvmesh.store.cache_engine import KVCacheEngine, RetrieveResult
+from kvmesh.store.config import StoreConfig
+
+_T = TypeVar("_T")
+_log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class BridgeStats:
+    """Counters of a :class:`StoreBridge` (read them from any thread; they only grow)."""
+
+    num_lookups: int = 0
+    num_retrieves: int = 0
+    num_saves: int = 0
+    num_timeouts: int = 0
+    num_refused: int = 0
+    num_errors: int = 0
+    num_saves_failed: int = 0
+
+
+class StoreBridge:
+    """A :class:`KVCacheEngine` driven from synchronous code through a private event loop.
+
+    Args:
+        config: anything :meth:`KVCacheEngine.from_config` accepts.
+        lookup_timeout_s: longest wait for :meth:`lookup`.
+        retrieve_timeout_s: longest wait for :meth:`retrieve`.
+        max_inflight: calls (saves included) allowed to be outstanding at once.
+        close_timeout_s: longest wait in :meth:`close` for pending saves and tier shutdown.
+
+    Raises:
+        ConfigError: an invalid store configuration.
+        ValueError: a non-positive timeout or ``max_inflight``.
+    """
+
+    def __init__(
+        self,
+        config: StoreConfig | str | None,
+        *,
+        lookup_timeout_s: float = 0.05,
+        retrieve_timeout_s: float = 2.0,
+        max_inflight: int = 64,
+        close_timeout_s: float = 10.0,
+    ) -> None:
+        if min(lookup_timeout_s, retrieve_timeout_s, close_timeout_s) <= 0 or max_inflight <= 0:
+            raise ValueError(
+                f"timeouts and max_inflight must be positive, got lookup={lookup_timeout_s} "
+                f"retrieve={retrieve_timeout_s} close={close_timeout_s} max_inflight={max_inflight}"
+            )
+        self.lookup_timeout_s = lookup_timeout_s
+        self.retrieve_timeout_s = retrieve_timeout_s
+        self.close_timeout_s = close_timeout_s
+        self.max_inflight = max_inflight
+        self.stats = BridgeStats()
+        self._slots = threading.BoundedSemaphore(max_inflight)
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvmesh-store", daemon=True)
+        self._thread.start()
+        self._saves: set[concurrent.futures.Future[None]] = set()
+        self._saves_lock = threading.Lock()
+        try:
+            self.engine = self._submit_unbounded(self._build(config)).result()
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @staticmethod
+    async def _build(config: StoreConfig | str | None) -> KVCacheEngine:
+        return KVCacheEngine.from_config(config)
+
+    @property
+    def chunk_size(self) -> int:
+        """Tokens per store chunk."""
+        return self.engine.chunk_size
+
+    def bind_layout(self, kv_dtype: str, kv_layout: str) -> None:
+        """Set the KV format that enters store keys (see :meth:`KVCacheEngine.bind_layout`)."""
+        self._loop.call_soon_threadsafe(self.engine.bind_layout, kv_dtype, kv_layout)
+        self._submit_unbounded(asyncio.sleep(0)).result()
+
+    def _submit_unbounded(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T] | None:
+        """Schedule ``coro`` if a slot is free; the slot is returned when it finishes."""
+        if self._closed or not self._slots.acquire(blocking=False):
+            coro.close()
+            self.stats.num_refused += 1
+            return None
+        future = self._submit_unbounded(coro)
+        future.add_done_callback(lambda _f: self._slots.release())
+        return future
+
+    def _wait(self, future: concurrent.futures.Future[_T], timeout_s: float) -> _T | None:
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            self.stats.num_timeouts += 1
+            return None
+        except KVMeshError as exc:
+            self.stats.num_errors += 1
+            _log.warning("kvmesh store call failed: %s", exc)
+            return None
+
+    def lookup(self, tokens: Sequence[int], namespace: Namespace) -> int:
+        """Prefix tokens the store holds (a multiple of the chunk size); 0 when it cannot tell in time."""
+        self.stats.num_lookups += 1
+        future = self._submit(self.engine.lookup(list(tokens), namespace))
+        if future is None:
+            return 0
+        found = self._wait(future, self.lookup_timeout_s)
+        return 0 if found is None else found
+
+    def retrieve(self, tokens: Sequence[int], namespace: Namespace, max_tokens: int | None = None) -> RetrieveResult:
+        """KV of the longest stored prefix (at most ``max_tokens``); a miss when it cannot load in time."""
+        self.stats.num_retrieves += 1
+        future = self._submit(self.engine.retrieve(list(tokens), namespace, max_tokens))
+        if future is None:
+            return RetrieveResult.miss()
+        result = self._wait(future, self.retrieve_timeout_s)
+        return RetrieveResult.miss() if result is None else result
+
+    def save(self, tokens: Sequence[int], namespace: Namespace, kv: np.ndarray, *, skip_tokens: int = 0) -> bool:
+        """Start saving ``kv`` (covering ``tokens[0:kv.shape[3]]``) without waiting for it.
+
+        The array must not be modified afterwards. Returns ``False`` when the save was refused.
+
+        Raises:
+            ValueError: ``kv`` is not (L, 2, H, T, D) or covers more than ``tokens``.
+        """
+        if kv.ndim != 5 or kv.shape[1] != 2 or kv.shape[3] > len(tokens):
+            raise ValueError(f"kv must be (L, 2, H, T<={len(tokens)}, D), got {kv.shape}")
+        future = self._submit(self.engine.store(list(tokens), namespace, kv, skip_tokens=skip_tokens))
+        if future is None:
+            return False
+        self.stats.num_saves += 1
+        with self._saves_lock:
+            self._saves.add(future)
+        future.add_done_callback(self._save_done)
+        return True
+
+    def _save_done(self, future: concurrent.futures.Future[None]) -> None:
+        with self._saves_lock:
+            self._saves.discard(future)
+        if future.cancelled():
+            self.stats.num_saves_failed += 1
+            return
+        exc = future.exception()
+        if exc is not None:
+            self.stats.num_saves_failed += 1
+            _log.error("kvmesh store save failed", exc_info=exc)
+
+    def wait_for_saves(self, timeout_s: float) -> bool:
+        """Wait until every started save has finished its RAM-tier write; ``False`` on timeout."""
+        with self._saves_lock:
+            pending = list(self._saves)
+        if not pending:
+            return True
+        _done, not_done = concurrent.futures.wait(pending, timeout=timeout_s)
+        return not not_done
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait for pending saves and the store's slower-tier write queues; ``False`` on timeout."""
+        if not self.wait_for_saves(timeout_s):
+            return False
+        try:
+            self._submit_unbounded(self.engine.drain()).result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Finish pending saves (bounded by ``close_timeout_s``), close the tiers, stop the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self.wait_for_saves(self.close_timeout_s)
+        try:
+            self._submit_unbounded(self.engine.aclose()).result(self.close_timeout_s)
+        except concurrent.futures.TimeoutError:
+            _log.warning("kvmesh store did not close within %.1f s", self.close_timeout_s)
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(self.close_timeout_s)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def __enter__(self) -> StoreBridge:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,429 @@
+"""A vLLM (v1 engine) KV connector that loads prompt-prefix KV from, and saves it to, the kvmesh store.
+
+Enable it with no change to vLLM::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVMeshConnector",
+        "kv_connector_module_path": "kvmesh.integrations.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"store": "valkey://cache:6379/0"}}'
+
+vLLM creates one connector in the scheduler and one per worker; this module is only glue
+between vLLM's objects and kvmesh's own parts::
+
+    scheduler  get_num_new_matched_tokens ─► StoreBridge.lookup ─► RequestTracker.on_lookup
+               update_state_after_alloc   ─► RequestTracker.on_alloc
+               build_connector_meta       ─► RequestTracker.on_scheduled / take_specs ─► metadata
+    worker     register_kv_caches         ─► paged_kv.detect_geometry ─► PagedKVTransfer
+               start_load_kv              ─► PagedKVTransfer.load  (blocking, bounded; failed blocks
+                                             reported through get_block_ids_with_load_errors)
+               wait_for_save              ─► PagedKVTransfer.save  (copy out, store in background)
+
+Store keys name the model, revision, LoRA, tenant (the request's ``cache_salt``), the KV dtype and
+the per-worker layout (layers, KV heads, head size, and tensor-parallel rank when TP > 1), so
+replicas of one model share chunks and nothing else does. Requests with multimodal inputs or
+prompt embeddings are neither loaded nor saved (their token ids do not identify their KV).
+
+vLLM is imported lazily: without it this module still imports, and the connector class can be
+driven by anything that makes vLLM's calls.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvmesh.core.hashing import Namespace
+from kvmesh.integrations.connector_config import ConnectorSettings
+from kvmesh.integrations.paged_kv import check_layers, detect_geometry, store_dtype_name
+from kvmesh.integrations.paged_transfer import PagedKVTransfer
+from kvmesh.integrations.request_tracker import LoadSpec, RequestTracker, SaveSpec
+from kvmesh.integrations.store_bridge import StoreBridge
+
+_log = logging.getLogger(__name__)
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1 as _ConnectorBase,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata as _MetadataBase,
+    )
+
+    HAS_VLLM = True
+except ImportError:
+    HAS_VLLM = False
+
+    class _MetadataBase:  # type: ignore[no-redef]
+        """Stands in for vLLM's metadata base class when vLLM is not installed."""
+
+    class _ConnectorBase:  # type: ignore[no-redef]
+        """The part of vLLM's connector base class this connector relies on, for use without vLLM."""
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+            self._connector_metadata: Any = None
+            self._vllm_config = vllm_config
+            self._kv_transfer_config = vllm_config.kv_transfer_config
+            self._kv_cache_config = kv_cache_config
+            self._role = role
+
+        @property
+        def role(self) -> Any:
+            return self._role
+
+        def bind_connector_metadata(self, connector_metadata: Any) -> None:
+            self._connector_metadata = connector_metadata
+
+        def clear_connector_metadata(self) -> None:
+            self._connector_metadata = None
+
+        def _get_connector_metadata(self) -> Any:
+            assert self._connector_metadata is not None, "start_load_kv/wait_for_save called without metadata"
+            return self._connector_metadata
+
+
+class Role(enum.Enum):
+    """vLLM's connector roles (matched by name, so vLLM's own enum works too)."""
+
+    SCHEDULER = 0
+    WORKER = 1
+
+
+@dataclass
+class KVMeshConnectorMetadata(_MetadataBase):
+    """What the scheduler's connector sends the workers each step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelKVFormat:
+    """The per-worker KV format that enters store keys.
+
+    Attributes:
+        kv_dtype: "float32", "float16" or "bfloat16".
+        num_layers: attention layers.
+        num_kv_heads: KV heads per tensor-parallel rank.
+        head_dim: values per head.
+        tp_size: tensor-parallel size.
+        tp_rank: this worker's rank (0 in the scheduler).
+    """
+
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    def layout_name(self) -> str:
+        """Layout string for store namespaces (TP > 1 adds the size and rank: ranks hold different heads)."""
+        base = f"L{self.num_layers}xH{self.num_kv_heads}xD{self.head_dim}"
+        return base if self.tp_size == 1 else f"{base}-tp{self.tp_size}r{self.tp_rank}"
+
+    def for_rank(self, tp_rank: int) -> ModelKVFormat:
+        return ModelKVFormat(
+            self.kv_dtype, self.num_layers, self.num_kv_heads, self.head_dim, self.tp_size, tp_rank
+        )
+
+
+def model_kv_format(vllm_config: Any) -> ModelKVFormat:
+    """The KV format vLLM will use for ``vllm_config``'s model (rank 0).
+
+    Raises:
+        ValueError: a model or setting the connector does not handle (MLA, pipeline parallelism,
+            a quantized KV cache).
+    """
+    model_config = vllm_config.model_config
+    parallel_config = vllm_config.parallel_config
+    if getattr(model_config, "use_mla", False):
+        raise ValueError("KVMeshConnector does not handle MLA models (latent KV cache)")
+    if getattr(parallel_config, "pipeline_parallel_size", 1) != 1:
+        raise ValueError("KVMeshConnector does not handle pipeline parallelism")
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if cache_dtype == "auto":
+        dtype = model_config.dtype
+    elif cache_dtype in {"float16", "half"}:
+        dtype = torch.float16
+    elif cache_dtype == "bfloat16":
+        dtype = torch.bfloat16
+    elif cache_dtype == "float32":
+        dtype = torch.float32
+    else:
+        raise ValueError(f"KVMeshConnector needs a float16/bfloat16/float32 KV cache, got {cache_dtype!r}")
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return ModelKVFormat(
+        kv_dtype=store_dtype_name(dtype),
+        num_layers=int(model_config.get_num_layers(parallel_config)),
+        num_kv_heads=int(model_config.get_num_kv_heads(parallel_config)),
+        head_dim=int(model_config.get_head_size()),
+        tp_size=int(getattr(parallel_config, "tensor_parallel_size", 1)),
+    )
+
+
+class _BridgePool:
+    """One store bridge per configuration per process, shared by the scheduler's and the
+    workers' connectors when they live in one process (their RAM tier is then one tier)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bridges: dict[tuple[object, ...], tuple[StoreBridge, int]] = {}
+
+    def acquire(self, settings: ConnectorSettings) -> StoreBridge:
+        key = (settings.store, settings.lookup_timeout_s, settings.retrieve_timeout_s, settings.max_inflight)
+        with self._lock:
+            entry = self._bridges.get(key)
+            if entry is None:
+                bridge = StoreBridge(
+                    settings.store,
+                    lookup_timeout_s=settings.lookup_timeout_s,
+                    retrieve_timeout_s=settings.retrieve_timeout_s,
+                    max_inflight=settings.max_inflight,
+                )
+                self._bridges[key] = (bridge, 1)
+                return bridge
+            self._bridges[key] = (entry[0], entry[1] + 1)
+            return entry[0]
+
+    def release(self, bridge: StoreBridge) -> None:
+        with self._lock:
+            for key, (held, count) in self._bridges.items():
+                if held is bridge:
+                    if count > 1:
+                        self._bridges[key] = (held, count - 1)
+                        return
+                    del self._bridges[key]
+                    break
+            else:
+                return
+        bridge.close()
+
+
+_BRIDGES = _BridgePool()
+
+
+def _first_group(block_ids: Any) -> list[int] | None:
+    """Block ids of the first (only) KV cache group: vLLM passes a tuple of lists, older ones a list."""
+    if block_ids is None:
+        return None
+    if len(block_ids) and isinstance(block_ids[0], list | tuple):
+        return list(block_ids[0])
+    return list(block_ids)
+
+
+def _has_multimodal(request: Any) -> bool:
+    return bool(getattr(request, "mm_features", None) or getattr(request, "mm_hashes", None))
+
+
+class KVMeshConnector(_ConnectorBase):
+    """vLLM v1 KV connector backed by :class:`~kvmesh.store.cache_engine.KVCacheEngine`.
+
+    Args:
+        vllm_config: vLLM's config; ``kv_transfer_config.kv_connector_extra_config`` holds the
+            :class:`ConnectorSettings`.
+        role: scheduler or worker.
+        kv_cache_config: vLLM's KV cache config (newer vLLM passes it; one KV cache group only).
+
+    Raises:
+        ValueError: a model, KV cache or setting the connector does not handle.
+        ConfigError: invalid connector or store settings.
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        if HAS_VLLM and kv_cache_config is None:
+            super().__init__(vllm_config=vllm_config, role=role)  # vLLM before kv_cache_config existed
+        else:
+            super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        if groups is not None and len(groups) > 1:
+            raise ValueError(f"KVMeshConnector handles one KV cache group, the model has {len(groups)}")
+        extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)
+        self.settings = ConnectorSettings.from_extra_config(extra)
+        self.is_scheduler = getattr(role, "name", role) == Role.SCHEDULER.name
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.kv_format = model_kv_format(vllm_config)
+        model_config = vllm_config.model_config
+        self.model = self.settings.model or str(getattr(model_config, "served_model_name", None) or model_config.model)
+        self.revision = self.settings.revision or str(getattr(model_config, "revision", None) or "")
+        self.bridge = _BRIDGES.acquire(self.settings)
+        self.tracker = RequestTracker(self.bridge.chunk_size, self.block_size, save=self.settings.save)
+        self.transfer: PagedKVTransfer | None = None
+        self._failed_blocks: set[int] = set()
+
+    # ---------------------------------------------------------------- keys
+
+    def namespace(self, request: Any, kv_format: ModelKVFormat | None = None) -> Namespace:
+        """Store namespace of ``request``: model, revision, LoRA, tenant salt and KV format."""
+        fmt = kv_format or self.kv_format
+        lora = getattr(request, "lora_request", None)
+        salt = getattr(request, "cache_salt", None)
+        return Namespace(
+            self.model,
+            revision=self.revision,
+            lora=str(getattr(lora, "lora_name", "") or "") if lora is not None else "",
+            tenant=salt or self.settings.tenant,
+            kv_dtype=fmt.kv_dtype,
+            kv_layout=fmt.layout_name(),
+        )
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` the store can fill (whole blocks, never the last
+        prompt token); loads are synchronous, so the second value is always ``False``."""
+        prompt = getattr(request, "prompt_token_ids", None)
+        if not prompt or _has_multimodal(request):
+            return 0, False
+        req_id = request.request_id
+        num_stored = self.tracker.num_stored(req_id)
+        namespace = self.namespace(request)
+        if num_stored is None:
+            limit = len(prompt) - 1
+            if limit < self.bridge.chunk_size or limit - limit % self.block_size <= num_computed_tokens:
+                num_stored = 0
+            else:
+                num_stored = self.bridge.lookup(prompt[:limit], namespace)
+        return self.tracker.on_lookup(req_id, prompt, namespace, num_computed_tokens, num_stored), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Plan the load of ``num_external_tokens`` tokens (0: nothing to load)."""
+        self.tracker.on_alloc(request.request_id, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVMeshConnectorMetadata:
+        """This step's loads and saves, from the requests vLLM scheduled."""
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            self.tracker.on_scheduled(
+                new.req_id,
+                prompt=None,
+                namespace=None,
+                block_ids=_first_group(new.block_ids),
+                replace_blocks=True,
+                num_computed=new.num_computed_tokens,
+                num_scheduled=num_scheduled.get(new.req_id, 0),
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed_ids = getattr(cached, "resumed_req_ids", None)
+        resumed_flags = getattr(cached, "resumed_from_preemption", None)
+        for i, req_id in enumerate(cached.req_ids):
+            if resumed_ids is not None:
+                resumed = req_id in resumed_ids
+            else:
+                resumed = bool(resumed_flags[i]) if resumed_flags is not None else False
+            self.tracker.on_scheduled(
+                req_id,
+                prompt=None,
+                namespace=None,
+                block_ids=_first_group(cached.new_block_ids[i]),
+                replace_blocks=resumed,
+                num_computed=cached.num_computed_tokens[i],
+                num_scheduled=num_scheduled.get(req_id, 0),
+            )
+        loads, saves = self.tracker.take_specs()
+        return KVMeshConnectorMetadata(loads=loads, saves=saves)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; its saves were copied out during its steps, so blocks free now."""
+        self.tracker.finish(request.request_id)
+        return False, None
+
+    # ---------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Adopt vLLM's per-layer paged caches (model order) and check them against the model.
+
+        Raises:
+            ValueError: the caches are not one tensor per layer of a supported layout, or do not
+                match the model's KV format.
+        """
+        layers = list(kv_caches.values())
+        if not layers or not all(isinstance(t, torch.Tensor) for t in layers):
+            raise ValueError("KVMeshConnector needs one KV cache tensor per attention layer")
+        geometry = detect_geometry(layers[0], self.block_size)
+        check_layers(layers, geometry)
+        fmt = self.kv_format.for_rank(self._tp_rank())
+        found = (geometry.store_dtype, len(layers), geometry.num_kv_heads, geometry.head_dim)
+        expected = (fmt.kv_dtype, fmt.num_layers, fmt.num_kv_heads, fmt.head_dim)
+        if found != expected:
+            raise ValueError(f"KV caches hold (dtype, layers, heads, dim) {found}, the model says {expected}")
+        self.kv_format = fmt
+        self.transfer = PagedKVTransfer(layers, geometry, self.bridge)
+
+    def _tp_rank(self) -> int:
+        if self.kv_format.tp_size == 1 or not HAS_VLLM:
+            return 0
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+
+    def _worker_namespace(self, spec_namespace: Namespace) -> Namespace:
+        """The scheduler keys by rank 0's layout; each worker reads and writes its own rank's."""
+        layout = self.kv_format.layout_name()
+        if spec_namespace.kv_layout == layout:
+            return spec_namespace
+        return spec_namespace.for_store(spec_namespace.kv_dtype, layout)
+
+    def _metadata(self) -> KVMeshConnectorMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, KVMeshConnectorMetadata) else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Load every planned span into the paged cache before the forward pass."""
+        meta = self._metadata()
+        if meta is None or self.transfer is None:
+            return
+        for spec in meta.loads:
+            spec = _with_namespace(spec, self._worker_namespace(spec.namespace))
+            self._failed_blocks |= self.transfer.load(spec)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads finish inside :meth:`start_load_kv`; nothing to wait for."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Saves read every layer at once in :meth:`wait_for_save`, after the forward pass."""
+
+    def wait_for_save(self) -> None:
+        """Copy this step's finished chunks out of the cache and start storing them."""
+        meta = self._metadata()
+        if meta is None or self.transfer is None:
+            return
+        for spec in meta.saves:
+            self.transfer.save(_with_namespace(spec, self._worker_namespace(spec.namespace)))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Nothing is sent or received asynchronously."""
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks a load could not fill since the last call (vLLM recomputes them)."""
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def shutdown(self) -> None:
+        """Release the store (the last connector of the process closes it)."""
+        bridge = getattr(self, "bridge", None)
+        if bridge is not None:
+            self.bridge = None  # type: ignore[assignment]
+            _BRIDGES.release(bridge)
+
+
+def _with_namespace(spec: Any, namespace: Namespace) -> Any:
+    if spec.namespace is namespace:
+        return spec
+    if isinstance(spec, LoadSpec):
+        return LoadSpec(spec.req_id, spec.token_ids, spec.block_ids, spec.start, spec.end, namespace)
+    return SaveSpec(spec.req_id, spec.token_ids, spec.block_ids, spec.skip_tokens, spec.end, namespace)
+
+
+def connector_names() -> Sequence[str]:
+    """Names vLLM's ``kv_connector`` field accepts for this module."""
+    return ("KVMeshConnector",)
+
+
+__all__: Iterable[str] = ["HAS_VLLM", "KVMeshConnector", "KVMeshConnectorMetadata", "ModelKVFormat"]
