@@ -102,3 +102,11 @@ def test_emulated_runner_charges_the_cost_model() -> None:
     decoding = Sequence("c", list(range(101)), 100, SamplingParams(), num_computed_tokens=100)
     mixed = StepPlan([PrefillChunk(cold, 0, 7200)], [decoding])
     assert runner.step_seconds(mixed) == cost.step_time([(0, 7200)], [101])
+
+
+def test_cli_lists_presets(capsys) -> None:
+    from kvmesh.cli import main
+
+    assert main(["engine", "--list-presets"]) == 0
+    out = capsys.readouterr().out
+    assert "307,328" in out and "tiny-h100" in out

@@ -5,9 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from kvmesh.engine.app import EngineOptions, build_engine
 from kvmesh.engine.scheduler import Role
+
+pytestmark = pytest.mark.slow
 
 
 async def test_prefill_engine_writes_decode_engine_loads(tmp_path: Path) -> None:

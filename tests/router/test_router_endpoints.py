@@ -119,3 +119,14 @@ def test_cli_serves_and_rejects_bad_flags(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_example_router_config_loads_and_builds_a_scheduler():
+    from kvmesh.router.scheduler import PRESETS_DIR, Scheduler, load_scheduler_config
+
+    path = PRESETS_DIR / "router-example.yaml"
+    cfg = load_router_config(path)
+    assert len(cfg.endpoints) == 3 and cfg.endpoints[2].role == "decode"
+    assert cfg.scheduler is not None
+    Scheduler.from_config(cfg.scheduler)
+    assert load_scheduler_config(path)["schedulingProfiles"][0]["name"] == "default"

@@ -7,6 +7,8 @@ import uuid
 
 import pytest
 import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from kvmesh.core.types import BlockKey, Medium, PodId
@@ -15,6 +17,7 @@ from kvmesh.router.index import (
     ALL_MEDIA,
     InMemoryIndex,
     InstrumentedIndex,
+    MediumSet,
     best_medium,
     media_of,
     medium_set,
@@ -192,3 +195,68 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "remove", "clear"]),
+        st.lists(st.integers(0, 7), min_size=1, max_size=5),
+        st.sampled_from([A, B, C]),
+        st.integers(1, 15),
+    ),
+    max_size=40,
+)
+
+
+def _check_against_model(index, ops) -> None:
+    """Random operation sequences agree with a dict-of-dicts reference model."""
+    universe = keys(8, tag="p")
+    model: dict[BlockKey, dict[PodId, int]] = {}
+    for op, idxs, pod, media in ops:
+        ks = [universe[i] for i in idxs]
+        if op == "add":
+            index.add(ks, pod, MediumSet(media))
+            for k in ks:
+                model.setdefault(k, {})[pod] = model.get(k, {}).get(pod, 0) | media
+        elif op == "remove":
+            index.remove(ks, pod, MediumSet(media))
+            for k in ks:
+                holders = model.get(k, {})
+                if pod in holders:
+                    left = holders[pod] & ~media
+                    if left:
+                        holders[pod] = left
+                    else:
+                        del holders[pod]
+                if not holders:
+                    model.pop(k, None)
+        else:
+            index.clear_pod(pod)
+            for k in list(model):
+                model[k].pop(pod, None)
+                if not model[k]:
+                    del model[k]
+        for k in universe:
+            assert index.lookup([k]) == ([model[k]] if k in model else [])
+    expected = []
+    for k in universe:
+        if k not in model:
+            break
+        expected.append(model[k])
+    assert index.lookup(universe) == expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(_OPS)
+def test_memory_index_matches_reference_model(ops):
+    _check_against_model(InMemoryIndex(100), ops)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_OPS)
+def test_redis_index_matches_reference_model(redis_url, ops):
+    idx = RedisIndex(redis_url, key_prefix=f"h{uuid.uuid4().hex[:10]}:")
+    try:
+        _check_against_model(idx, ops)
+    finally:
+        idx.close()

@@ -11,6 +11,7 @@ Used by ``kvmesh engine`` and by anything that runs engines in-process (tests, `
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,8 @@ from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.scheduler import EngineCore, Role, SchedulerConfig
 from kvmesh.engine.server import EngineServer, ServerConfig
 from kvmesh.engine.store_connector import CacheEngineStore, PrefixStore
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -136,6 +139,8 @@ async def build_engine(opts: EngineOptions, *, runner: ModelRunner | None = None
         or (preset.max_num_batched_tokens if preset else 2048),
     )
     store: PrefixStore | None = None
+    if opts.store and emulated:
+        logger.warning("--store is ignored in emulation: emulated KV has no bytes to store")
     if opts.store and not emulated:
         from kvmesh.store.cache_engine import KVCacheEngine
 

@@ -12,6 +12,7 @@ random, load, approximate, precise.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,7 @@ def real_workload(quick: bool, num_replicas: int) -> SharedPrefixWorkload:
     The number of prompts is no multiple of the replica count, so round-robin never sends the second
     occurrence of a prompt to the replica that served the first.
     """
-    groups, per_group = num_replicas, 3 if quick else 4
+    groups, per_group = num_replicas, 2 if quick else 4
     if num_replicas > 1:
         groups, per_group = min(
             ((g, q) for g in range(groups, groups + num_replicas) for q in range(per_group, per_group + 2)
@@ -137,25 +138,31 @@ async def run_real(options: DemoOptions, console: Console) -> dict[str, RunResul
         ("round-robin, per-replica caches", "round-robin", "none"),
         ("precise + shared store", "precise", "dir"),
     )
-    for label, policy, shared in setups:
-        config = FleetConfig(
-            num_engines=n,
-            model="smollm2",
-            shared=shared,
-            policy=policy,
-            run_dir=base_dir / policy,
-            engine_args=["--kv-capacity-tokens", str(REAL_KV_CAPACITY_TOKENS)],
+    fleets = [
+        Fleet(
+            FleetConfig(
+                num_engines=n,
+                model="smollm2",
+                shared=shared,
+                policy=policy,
+                run_dir=base_dir / policy,
+                engine_args=["--kv-capacity-tokens", str(REAL_KV_CAPACITY_TOKENS)],
+            )
         )
-        with console.status(f"starting {n} SmolLM2 engines + router ({label}) ..."):
-            fleet = Fleet(config)
-            await fleet.start()
-        try:
+        for _label, policy, shared in setups
+    ]
+    try:
+        # both fleets load their models at once; the idle one costs nothing while the other runs
+        with console.status(f"starting 2 × {n} SmolLM2 engines + routers ..."):
+            await asyncio.gather(*(f.start() for f in fleets))
+        for (label, _policy, _shared), fleet in zip(setups, fleets, strict=True):
             opts = RunOptions(
                 base_url=fleet.url, model="", concurrency=n, progress=options.progress, label=label
             )
             runs[label] = await run_on_fleet(fleet, workload, opts)
-        finally:
             await fleet.aclose()
+    finally:
+        await asyncio.gather(*(f.aclose() for f in fleets), return_exceptions=True)
     console.print(_real_table(runs))
     base, best = runs[setups[0][0]], runs[setups[1][0]]
     console.print(explain_real(base, best, n))

@@ -138,9 +138,7 @@ def token_slots(block_ids: Sequence[int], block_size: int, start: int, end: int)
     if not 0 <= start <= end:
         raise ValueError(f"token range must satisfy 0 <= start <= end, got {start}..{end}")
     if end > len(block_ids) * block_size:
-        raise ValueError(
-            f"{len(block_ids)} blocks of {block_size} tokens cannot hold tokens up to {end}"
-        )
+        raise ValueError(f"{len(block_ids)} blocks of {block_size} tokens cannot hold tokens up to {end}")
     positions = torch.arange(start, end, dtype=torch.int64)
     blocks = torch.as_tensor(list(block_ids), dtype=torch.int64)
     return blocks[positions // block_size] * block_size + positions % block_size

@@ -62,7 +62,7 @@ class PagedKVTransfer:
         if spec.end <= spec.start:
             return set()
         bs = self.geometry.block_size
-        result = self.bridge.retrieve(spec.token_ids[: spec.end], spec.namespace, max_tokens=spec.end)
+        result = self.bridge.retrieve(spec.token_ids, spec.namespace, max_tokens=len(spec.token_ids))
         got = 0
         if result.kv is not None:
             got = self._scatter_loaded(spec, result.kv)
@@ -105,7 +105,7 @@ class PagedKVTransfer:
         slots = token_slots(spec.block_ids, g.block_size, start, spec.end)
         fresh = to_store_array(gather(self.layers, g, slots))
         # The store encodes only chunks past skip_tokens; the leading part is never read.
-        kv = np.empty(fresh.shape[:3] + (spec.end,) + fresh.shape[4:], dtype=fresh.dtype)
+        kv = np.empty((*fresh.shape[:3], spec.end, *fresh.shape[4:]), dtype=fresh.dtype)
         kv[:, :, :, start:, :] = fresh
         ok = self.bridge.save(spec.token_ids[: spec.end], spec.namespace, kv, skip_tokens=spec.skip_tokens)
         if ok:

@@ -31,7 +31,8 @@ class LoadSpec:
 
     Attributes:
         req_id: the engine's request id.
-        token_ids: the prompt's first ``end`` tokens (the store key).
+        token_ids: the prompt up to the store chunk that holds token ``end - 1`` (the store key;
+            shorter when the prompt ends first).
         block_ids: the request's blocks, in token order (at least ``ceil(end / block_size)``).
         start: first token to write (tokens before it are already computed).
         end: one past the last token to write.
@@ -205,10 +206,11 @@ class RequestTracker:
             req.block_ids.extend(block_ids)
         if req.load_pending:
             req.load_pending = False
+            chunks = -(-req.load_end // self.chunk_size)
             self._loads.append(
                 LoadSpec(
                     req_id,
-                    req.prompt[: req.load_end],
+                    req.prompt[: chunks * self.chunk_size],
                     tuple(req.block_ids),
                     req.load_start,
                     req.load_end,

@@ -48,6 +48,16 @@ class BridgeStats:
     num_saves_failed: int = 0
 
 
+async def _cancel_other_tasks() -> None:
+    """Cancel calls that outlived their callers (a hung tier) so the loop can stop cleanly."""
+    current = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not current]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=1.0)
+
+
 class StoreBridge:
     """A :class:`KVCacheEngine` driven from synchronous code through a private event loop.
 
@@ -104,11 +114,6 @@ class StoreBridge:
         """Tokens per store chunk."""
         return self.engine.chunk_size
 
-    def bind_layout(self, kv_dtype: str, kv_layout: str) -> None:
-        """Set the KV format that enters store keys (see :meth:`KVCacheEngine.bind_layout`)."""
-        self._loop.call_soon_threadsafe(self.engine.bind_layout, kv_dtype, kv_layout)
-        self._submit_unbounded(asyncio.sleep(0)).result()
-
     def _submit_unbounded(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
@@ -142,7 +147,9 @@ class StoreBridge:
         found = self._wait(future, self.lookup_timeout_s)
         return 0 if found is None else found
 
-    def retrieve(self, tokens: Sequence[int], namespace: Namespace, max_tokens: int | None = None) -> RetrieveResult:
+    def retrieve(
+        self, tokens: Sequence[int], namespace: Namespace, max_tokens: int | None = None
+    ) -> RetrieveResult:
         """KV of the longest stored prefix (at most ``max_tokens``); a miss when it cannot load in time."""
         self.stats.num_retrieves += 1
         future = self._submit(self.engine.retrieve(list(tokens), namespace, max_tokens))
@@ -151,7 +158,9 @@ class StoreBridge:
         result = self._wait(future, self.retrieve_timeout_s)
         return RetrieveResult.miss() if result is None else result
 
-    def save(self, tokens: Sequence[int], namespace: Namespace, kv: np.ndarray, *, skip_tokens: int = 0) -> bool:
+    def save(
+        self, tokens: Sequence[int], namespace: Namespace, kv: np.ndarray, *, skip_tokens: int = 0
+    ) -> bool:
         """Start saving ``kv`` (covering ``tokens[0:kv.shape[3]]``) without waiting for it.
 
         The array must not be modified afterwards. Returns ``False`` when the save was refused.
@@ -210,6 +219,10 @@ class StoreBridge:
             self._submit_unbounded(self.engine.aclose()).result(self.close_timeout_s)
         except concurrent.futures.TimeoutError:
             _log.warning("kvmesh store did not close within %.1f s", self.close_timeout_s)
+        try:
+            self._submit_unbounded(_cancel_other_tasks()).result(self.close_timeout_s)
+        except concurrent.futures.TimeoutError:
+            _log.warning("kvmesh store calls still running at close")
         self._stop_loop()
 
     def _stop_loop(self) -> None:

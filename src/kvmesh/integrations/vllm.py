@@ -28,12 +28,12 @@ driven by anything that makes vLLM's calls.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import threading
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -81,13 +81,17 @@ except ImportError:
         def clear_connector_metadata(self) -> None:
             self._connector_metadata = None
 
+        def get_block_ids_with_load_errors(self) -> set[int]:
+            return set()
+
         def _get_connector_metadata(self) -> Any:
             assert self._connector_metadata is not None, "start_load_kv/wait_for_save called without metadata"
             return self._connector_metadata
 
 
 class Role(enum.Enum):
-    """vLLM's connector roles (matched by name, so vLLM's own enum works too)."""
+    """The connector roles, for driving the connector without vLLM (vLLM passes its own enum;
+    the connector does not depend on the role: each side uses only its own methods)."""
 
     SCHEDULER = 0
     WORKER = 1
@@ -217,8 +221,13 @@ def _first_group(block_ids: Any) -> list[int] | None:
     return list(block_ids)
 
 
-def _has_multimodal(request: Any) -> bool:
-    return bool(getattr(request, "mm_features", None) or getattr(request, "mm_hashes", None))
+def _keyed_by_tokens(request: Any) -> bool:
+    """Whether the prompt's token ids alone determine its KV (not so with images or embeddings)."""
+    if getattr(request, "mm_features", None) or getattr(request, "mm_hashes", None):
+        return False
+    return getattr(request, "prompt_embeds", None) is None and bool(
+        getattr(request, "prompt_token_ids", None)
+    )
 
 
 class KVMeshConnector(_ConnectorBase):
@@ -235,21 +244,37 @@ class KVMeshConnector(_ConnectorBase):
         ConfigError: invalid connector or store settings.
     """
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A dropped save is a later miss, not a lost hand-off."""
+        return False
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-        if HAS_VLLM and kv_cache_config is None:
-            super().__init__(vllm_config=vllm_config, role=role)  # vLLM before kv_cache_config existed
-        else:
+        try:
             super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        except TypeError:
+            super().__init__(vllm_config=vllm_config, role=role)  # vLLM before kv_cache_config existed
+        if not hasattr(_ConnectorBase, "get_block_ids_with_load_errors"):
+            raise ValueError(
+                "this vLLM cannot recompute blocks whose load failed (no get_block_ids_with_load_errors); "
+                "KVMeshConnector needs a vLLM that has it"
+            )
+        if getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+            _log.warning(
+                "kv_load_failure_policy is not 'recompute': a request whose KV load comes up short "
+                "will fail instead of recomputing"
+            )
         groups = getattr(kv_cache_config, "kv_cache_groups", None)
         if groups is not None and len(groups) > 1:
             raise ValueError(f"KVMeshConnector handles one KV cache group, the model has {len(groups)}")
         extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)
         self.settings = ConnectorSettings.from_extra_config(extra)
-        self.is_scheduler = getattr(role, "name", role) == Role.SCHEDULER.name
         self.block_size = int(vllm_config.cache_config.block_size)
         self.kv_format = model_kv_format(vllm_config)
         model_config = vllm_config.model_config
-        self.model = self.settings.model or str(getattr(model_config, "served_model_name", None) or model_config.model)
+        self.model = self.settings.model or str(
+            getattr(model_config, "served_model_name", None) or model_config.model
+        )
         self.revision = self.settings.revision or str(getattr(model_config, "revision", None) or "")
         self.bridge = _BRIDGES.acquire(self.settings)
         self.tracker = RequestTracker(self.bridge.chunk_size, self.block_size, save=self.settings.save)
@@ -258,9 +283,9 @@ class KVMeshConnector(_ConnectorBase):
 
     # ---------------------------------------------------------------- keys
 
-    def namespace(self, request: Any, kv_format: ModelKVFormat | None = None) -> Namespace:
+    def namespace(self, request: Any) -> Namespace:
         """Store namespace of ``request``: model, revision, LoRA, tenant salt and KV format."""
-        fmt = kv_format or self.kv_format
+        fmt = self.kv_format
         lora = getattr(request, "lora_request", None)
         salt = getattr(request, "cache_salt", None)
         return Namespace(
@@ -277,18 +302,18 @@ class KVMeshConnector(_ConnectorBase):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` the store can fill (whole blocks, never the last
         prompt token); loads are synchronous, so the second value is always ``False``."""
-        prompt = getattr(request, "prompt_token_ids", None)
-        if not prompt or _has_multimodal(request):
+        if not _keyed_by_tokens(request):
             return 0, False
+        prompt = request.prompt_token_ids
         req_id = request.request_id
         num_stored = self.tracker.num_stored(req_id)
         namespace = self.namespace(request)
         if num_stored is None:
             limit = len(prompt) - 1
-            if limit < self.bridge.chunk_size or limit - limit % self.block_size <= num_computed_tokens:
+            if len(prompt) < self.bridge.chunk_size or limit - limit % self.block_size <= num_computed_tokens:
                 num_stored = 0
             else:
-                num_stored = self.bridge.lookup(prompt[:limit], namespace)
+                num_stored = self.bridge.lookup(prompt, namespace)
         return self.tracker.on_lookup(req_id, prompt, namespace, num_computed_tokens, num_stored), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -385,7 +410,9 @@ class KVMeshConnector(_ConnectorBase):
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads finish inside :meth:`start_load_kv`; nothing to wait for."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         """Saves read every layer at once in :meth:`wait_for_save`, after the forward pass."""
 
     def wait_for_save(self) -> None:
@@ -413,17 +440,8 @@ class KVMeshConnector(_ConnectorBase):
             _BRIDGES.release(bridge)
 
 
-def _with_namespace(spec: Any, namespace: Namespace) -> Any:
-    if spec.namespace is namespace:
-        return spec
-    if isinstance(spec, LoadSpec):
-        return LoadSpec(spec.req_id, spec.token_ids, spec.block_ids, spec.start, spec.end, namespace)
-    return SaveSpec(spec.req_id, spec.token_ids, spec.block_ids, spec.skip_tokens, spec.end, namespace)
+_Spec = TypeVar("_Spec", LoadSpec, SaveSpec)
 
 
-def connector_names() -> Sequence[str]:
-    """Names vLLM's ``kv_connector`` field accepts for this module."""
-    return ("KVMeshConnector",)
-
-
-__all__: Iterable[str] = ["HAS_VLLM", "KVMeshConnector", "KVMeshConnectorMetadata", "ModelKVFormat"]
+def _with_namespace(spec: _Spec, namespace: Namespace) -> _Spec:
+    return spec if spec.namespace == namespace else dataclasses.replace(spec, namespace=namespace)

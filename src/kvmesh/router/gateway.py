@@ -23,6 +23,7 @@ import contextlib
 import hmac
 import itertools
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
@@ -106,8 +107,6 @@ class Gateway:
         self._index_is_remote = config.index.backend == "redis" or (
             index is not None and not isinstance(index, InMemoryIndex)
         )
-        import random
-
         memo_capacity = config.index.key_memo_capacity
         self.memo = BlockKeyMemo(memo_capacity) if memo_capacity > 0 else None
         scheduler_config = (

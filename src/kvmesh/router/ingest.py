@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 from kvmesh.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
@@ -208,10 +209,14 @@ class EventApplier:
             keys = hasher.hash_blocks(token_array, parent_key, n)
         if self.memo is not None:
             self.memo.remember(parent_key, token_array[: n * bs].tobytes(), keys)
-        get = blocks.get
-        for h, key in zip(hashes, keys, strict=True):
-            old = get(h)
-            blocks[h] = (key, ns_id, bits if old is None else old[2] | bits)
+        if blocks.keys().isdisjoint(hashes):
+            # The common case (new blocks): build every entry at C speed.
+            blocks.update(zip(hashes, zip(keys, repeat(ns_id), repeat(bits), strict=False), strict=True))
+        else:
+            get = blocks.get
+            for h, key in zip(hashes, keys, strict=True):
+                old = get(h)
+                blocks[h] = (key, ns_id, bits if old is None else old[2] | bits)
         self.index.add(keys, pod, MediumSet(bits))
         self.stats.num_blocks_stored += n
         if len(blocks) > self.max_blocks_per_pod:

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 _LATENCY_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
@@ -55,6 +57,11 @@ class RouterMetrics:
         self.retries = Counter("kvmesh_router_retries", "Connect failures retried elsewhere", registry=r)
         self.errors = Counter("kvmesh_router_errors", "Requests answered with an error", ["kind"], registry=r)
 
+        self._scorer_children: dict[str, Any] = {}
+
     def observe_scorer(self, scorer: str, seconds: float) -> None:
         """Record one scorer run (the scheduler's ``on_timing`` hook)."""
-        self.scorer_seconds.labels(scorer).observe(seconds)
+        child = self._scorer_children.get(scorer)
+        if child is None:
+            child = self._scorer_children[scorer] = self.scorer_seconds.labels(scorer)
+        child.observe(seconds)

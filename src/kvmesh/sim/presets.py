@@ -92,10 +92,11 @@ PATH_LATENCY_S = 0.25
 """Request path outside the GPU (client, gateway, scheduler, tokenization): the published precise TTFT
 has a ≈0.3 s floor even at 3 QPS, where the fleet is idle and every prompt is cached."""
 
-CLIENT_SLOTS_PER_POD = 100
-"""inference-perf sends from a bounded pool of workers: when the fleet falls behind, due requests wait
-at the client instead of piling up in the engines (the published wait queues stay near 28 per pod while
-random routing is overloaded for minutes). TTFT counts from the actual send."""
+CLIENT_IN_FLIGHT = 1600
+"""inference-perf sends from a bounded pool of workers (the same client for both benchmarks): when the
+fleet falls behind, due requests wait at the client instead of piling up in the engines without bound
+(the published random/load TTFTs stay near 90 s while the fleet is overloaded for minutes). TTFT counts
+from the actual send."""
 
 PREFILL_MFU = 0.55
 """Upper end of the planning range (0.40–0.55): vLLM's chunked prefill of 6–8k-token prompts on H100."""
@@ -125,7 +126,7 @@ LLMD_73 = ScenarioPreset(
         kv_capacity_tokens=307_328,
         metrics_interval_s=0.05,
         path_latency_s=PATH_LATENCY_S,
-        max_in_flight=8 * CLIENT_SLOTS_PER_POD,
+        max_in_flight=CLIENT_IN_FLIGHT,
     ),
     workload=SharedPrefixWorkload(
         num_groups=150,
@@ -161,7 +162,7 @@ LLMD_37 = ScenarioPreset(
         kv_capacity_tokens=617_000,
         metrics_interval_s=0.05,
         path_latency_s=PATH_LATENCY_S,
-        max_in_flight=4 * CLIENT_SLOTS_PER_POD,
+        max_in_flight=CLIENT_IN_FLIGHT,
     ),
     workload=SharedPrefixWorkload(
         num_groups=83,

@@ -1,0 +1,152 @@
+"""store_bridge: a real KVCacheEngine driven from synchronous code; slow or dead stores are misses."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvmesh.core.hashing import Namespace
+from kvmesh.integrations.store_bridge import StoreBridge
+from kvmesh.store.config import StoreConfig
+
+NS = Namespace("m", kv_dtype="float16", kv_layout="L2xH2xD4")
+
+
+def _kv(num_tokens: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((2, 2, 2, num_tokens, 4)).astype(np.float16)
+
+
+class BlackHole:
+    """A TCP server that accepts connections and never answers (a hung store host)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self._stop = threading.Event()
+        self.sock.settimeout(0.05)
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join()
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+
+
+@pytest.fixture
+def black_hole() -> Iterator[BlackHole]:
+    server = BlackHole()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_save_lookup_retrieve_round_trip(tmp_path: Path) -> None:
+    config = StoreConfig(chunk_size=32, shared_dir=str(tmp_path))
+    tokens = list(range(1000, 1100))
+    kv = _kv(100)
+    with StoreBridge(config) as bridge:
+        assert bridge.chunk_size == 32
+        assert bridge.lookup(tokens, NS) == 0
+        assert bridge.retrieve(tokens, NS).num_tokens == 0
+        assert bridge.save(tokens, NS, kv)
+        assert bridge.drain(10.0)
+        assert bridge.lookup(tokens, NS) == 96  # whole chunks only
+        got = bridge.retrieve(tokens, NS, max_tokens=70)
+        assert got.num_tokens == 64 and got.kv is not None
+        assert np.array_equal(got.kv, kv[:, :, :, :64])
+        assert bridge.stats.num_saves == 1 and bridge.stats.num_timeouts == 0
+    # a second process-like bridge over the same shared directory sees the chunks
+    with StoreBridge(config) as other:
+        got = other.retrieve(tokens, NS)
+        assert got.num_tokens == 96 and got.tier == "fs"
+        assert got.kv is not None and np.array_equal(got.kv, kv[:, :, :, :96])
+        assert (
+            other.lookup(tokens[:50], Namespace("m", tenant="t2", kv_dtype="float16", kv_layout="L2xH2xD4"))
+            == 0
+        )
+
+
+def test_save_rejects_misshapen_kv() -> None:
+    with StoreBridge("memory") as bridge:
+        with pytest.raises(ValueError, match="L, 2, H"):
+            bridge.save(list(range(10)), NS, _kv(20))
+        with pytest.raises(ValueError, match="L, 2, H"):
+            bridge.save(list(range(10)), NS, np.zeros((2, 3, 2, 4, 4), np.float16))
+
+
+def test_dead_store_is_a_miss() -> None:
+    config = StoreConfig(chunk_size=32, local_cpu=False, remote_url=f"redis://127.0.0.1:{_closed_port()}/0")
+    with StoreBridge(config, lookup_timeout_s=2.0, retrieve_timeout_s=2.0) as bridge:
+        tokens = list(range(64))
+        assert bridge.lookup(tokens, NS) == 0
+        assert bridge.retrieve(tokens, NS).kv is None
+        assert bridge.save(tokens, NS, _kv(64))
+        assert bridge.wait_for_saves(5.0)
+        assert bridge.stats.num_saves_failed == 0  # the store turns tier trouble into misses
+
+
+def test_hung_store_times_out_into_misses_and_refuses_past_max_inflight(black_hole: BlackHole) -> None:
+    config = StoreConfig(
+        chunk_size=32,
+        local_cpu=False,
+        remote_url=f"redis://127.0.0.1:{black_hole.port}/0",
+        remote_timeout_s=30.0,
+        breaker_failures=100,
+    )
+    bridge = StoreBridge(
+        config, lookup_timeout_s=0.05, retrieve_timeout_s=0.05, max_inflight=2, close_timeout_s=2.0
+    )
+    try:
+        tokens = list(range(64))
+        assert bridge.lookup(tokens, NS) == 0
+        assert bridge.retrieve(tokens, NS).kv is None
+        assert bridge.stats.num_timeouts == 2
+        # both calls still hang on the store: a third is refused without waiting
+        assert bridge.lookup(tokens, NS) == 0
+        assert not bridge.save(tokens, NS, _kv(64))
+        assert bridge.stats.num_refused == 2
+        assert bridge.stats.num_timeouts == 2
+    finally:
+        bridge.close()
+    assert not bridge.save(list(range(64)), NS, _kv(64))  # closed
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        StoreBridge("memory", lookup_timeout_s=0)
+    with pytest.raises(ValueError, match="positive"):
+        StoreBridge("memory", max_inflight=0)
+    from kvmesh.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        StoreBridge("nope://x")

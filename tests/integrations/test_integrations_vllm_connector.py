@@ -1,0 +1,276 @@
+"""KVMeshConnector driven through vLLM's call sequence (scheduler and worker sides) with stand-in
+vLLM objects, real paged caches and a real store: what one replica computes, another loads."""
+
+from __future__ import annotations
+
+import importlib.util
+import pickle
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from integrations_helpers import bits, paged_cache, read_request, request_kv, write_request
+
+from kvmesh.errors import ConfigError
+from kvmesh.integrations.connector_config import ConnectorSettings
+from kvmesh.integrations.paged_kv import PagedLayout
+from kvmesh.integrations.vllm import (
+    HAS_VLLM,
+    KVMeshConnector,
+    KVMeshConnectorMetadata,
+    ModelKVFormat,
+    Role,
+    model_kv_format,
+)
+
+BS = 16
+
+
+def make_vllm_config(
+    extra: dict[str, Any], *, cache_dtype: str = "auto", tp: int = 1, pp: int = 1, use_mla: bool = False
+) -> SimpleNamespace:
+    model_config = SimpleNamespace(
+        model="org/model",
+        served_model_name="org/model",
+        revision=None,
+        dtype=torch.bfloat16,
+        use_mla=use_mla,
+        get_num_layers=lambda pc: 3,
+        get_num_kv_heads=lambda pc: 2,
+        get_head_size=lambda: 8,
+    )
+    return SimpleNamespace(
+        model_config=model_config,
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        cache_config=SimpleNamespace(block_size=BS, cache_dtype=cache_dtype),
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+    )
+
+
+def make_request(req_id: str, prompt: Sequence[int], **kw: Any) -> SimpleNamespace:
+    fields: dict[str, Any] = {"lora_request": None, "cache_salt": None, "mm_features": []}
+    fields.update(kw)
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=list(prompt), **fields)
+
+
+def new_req_output(req: SimpleNamespace, block_ids: list[int], num_computed: int, num_scheduled: int) -> Any:
+    new = SimpleNamespace(
+        req_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        block_ids=(block_ids,),
+        num_computed_tokens=num_computed,
+    )
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+    return SimpleNamespace(
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={req.request_id: num_scheduled},
+    )
+
+
+class Replica:
+    """One vLLM instance: a scheduler-side and a worker-side connector over one paged cache."""
+
+    def __init__(self, extra: dict[str, Any], layout: PagedLayout, num_blocks: int = 12) -> None:
+        config = make_vllm_config(extra)
+        self.layout = layout
+        self.scheduler = KVMeshConnector(config, Role.SCHEDULER)
+        self.worker = KVMeshConnector(config, Role.WORKER)
+        self.layers = paged_cache(layout, fill=5.0, num_blocks=num_blocks)
+        self.worker.register_kv_caches(
+            {f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(self.layers)}
+        )
+
+    def step(
+        self, scheduler_output: Any, compute: torch.Tensor | None = None, blocks: Sequence[int] = ()
+    ) -> KVMeshConnectorMetadata:
+        meta = self.scheduler.build_connector_meta(scheduler_output)
+        meta = pickle.loads(pickle.dumps(meta))  # crosses a process boundary in vLLM
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(SimpleNamespace())
+        for name in (f"model.layers.{i}.self_attn.attn" for i in range(3)):
+            self.worker.wait_for_layer_load(name)
+        if compute is not None:  # the forward pass writes the new tokens' KV
+            write_request(self.layers, self.layout, blocks, BS, compute)
+        for i, layer in enumerate(self.layers):
+            self.worker.save_kv_layer(f"model.layers.{i}.self_attn.attn", layer, None)
+        self.worker.wait_for_save()
+        self.worker.clear_connector_metadata()
+        return meta
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()
+
+
+@pytest.fixture
+def fleet_dir(tmp_path: Path) -> str:
+    path = tmp_path / "store.yaml"
+    path.write_text(f"chunk_size: 32\nshared_dir: {tmp_path / 'fleet'}\n")
+    return str(path)
+
+
+@pytest.fixture
+def replicas(fleet_dir: str) -> Iterator[tuple[Replica, Replica]]:
+    # different max_inflight → separate stores per replica (separate RAM tiers, one shared directory)
+    a = Replica({"store": fleet_dir, "max_inflight": 8}, PagedLayout.KV_FIRST)
+    b = Replica({"kvmesh.store": fleet_dir, "kvmesh.max_inflight": 9}, PagedLayout.BLOCKS_FIRST)
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
+def test_module_imports_without_vllm() -> None:
+    assert (importlib.util.find_spec("vllm") is not None) is HAS_VLLM
+
+
+def test_prefix_computed_by_one_replica_loads_into_another(replicas: tuple[Replica, Replica]) -> None:
+    a, b = replicas
+    assert a.scheduler.bridge is not b.scheduler.bridge
+    assert a.scheduler.bridge is a.worker.bridge  # one store per process and configuration
+    prompt = list(range(300, 400))
+    kv = request_kv(100, seed=11)
+    req = make_request("a-1", prompt)
+    assert a.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    a.scheduler.update_state_after_alloc(req, None, 0)
+    a_blocks = [8, 3, 5, 0, 1, 2, 9]
+    meta = a.step(new_req_output(req, a_blocks, 0, 100), kv, a_blocks)
+    assert meta.loads == [] and [(s.skip_tokens, s.end) for s in meta.saves] == [(0, 96)]
+    assert a.scheduler.request_finished(req, a_blocks) == (False, None)
+    assert a.worker.bridge.drain(10.0)
+
+    follow = prompt[:96] + list(range(7000, 7014))
+    req_b = make_request("b-1", follow)
+    # the engine's own prefix cache has the first block: the store fills 16..95
+    assert b.scheduler.get_num_new_matched_tokens(req_b, 16) == (80, False)
+    assert b.scheduler.get_num_new_matched_tokens(req_b, 16) == (80, False)  # repeated: same answer
+    b.scheduler.update_state_after_alloc(req_b, None, 80)
+    b_blocks = [11, 4, 6, 10, 7, 3, 2]
+    meta = b.step(new_req_output(req_b, b_blocks, 96, 14))
+    assert [(s.start, s.end, s.block_ids) for s in meta.loads] == [(16, 96, tuple(b_blocks))]
+    assert meta.saves == []  # those chunks are stored already
+    assert b.worker.get_block_ids_with_load_errors() == set()
+    got = read_request(b.layers, PagedLayout.BLOCKS_FIRST, b_blocks, BS, 110)
+    assert torch.equal(bits(got[:, :, :, 16:96]), bits(kv[:, :, :, 16:96]))
+    assert bool((got[:, :, :, :16] == 5.0).all()) and bool((got[:, :, :, 96:] == 5.0).all())
+    b.scheduler.request_finished(req_b, b_blocks)
+    assert len(b.scheduler.tracker) == 0
+
+
+def test_whole_prompt_hit_leaves_the_last_token_to_the_engine(replicas: tuple[Replica, Replica]) -> None:
+    a, b = replicas
+    prompt = list(range(64))
+    req = make_request("a", prompt)
+    a.scheduler.get_num_new_matched_tokens(req, 0)
+    a.scheduler.update_state_after_alloc(req, None, 0)
+    a.step(new_req_output(req, [0, 1, 2, 3], 0, 64), request_kv(64, seed=12), [0, 1, 2, 3])
+    assert a.worker.bridge.drain(10.0)
+    assert b.scheduler.get_num_new_matched_tokens(make_request("b", prompt), 0) == (48, False)
+
+
+def test_tenants_and_loras_do_not_share(replicas: tuple[Replica, Replica]) -> None:
+    a, b = replicas
+    prompt = list(range(80))
+    req = make_request("a", prompt, cache_salt="acme")
+    a.scheduler.get_num_new_matched_tokens(req, 0)
+    a.scheduler.update_state_after_alloc(req, None, 0)
+    a.step(new_req_output(req, [0, 1, 2, 3, 4], 0, 80), request_kv(80, seed=13), [0, 1, 2, 3, 4])
+    assert a.worker.bridge.drain(10.0)
+    assert b.scheduler.get_num_new_matched_tokens(make_request("b1", prompt, cache_salt="acme"), 0) == (
+        64,
+        False,
+    )
+    assert b.scheduler.get_num_new_matched_tokens(make_request("b2", prompt), 0) == (0, False)
+    lora = SimpleNamespace(lora_name="sql")
+    assert b.scheduler.get_num_new_matched_tokens(
+        make_request("b3", prompt, cache_salt="acme", lora_request=lora), 0
+    ) == (0, False)
+
+
+def test_multimodal_and_embedding_requests_are_left_alone(replicas: tuple[Replica, Replica]) -> None:
+    a, _ = replicas
+    req = make_request("mm", list(range(80)), mm_features=[object()])
+    assert a.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert "mm" not in a.scheduler.tracker
+    meta = a.scheduler.build_connector_meta(new_req_output(req, [0, 1, 2, 3, 4], 0, 80))
+    assert meta.loads == [] and meta.saves == []
+    embeds = make_request("emb", [])
+    embeds.prompt_token_ids = None
+    assert a.scheduler.get_num_new_matched_tokens(embeds, 0) == (0, False)
+    with_embeds = make_request("emb2", list(range(80)), prompt_embeds=torch.zeros(80, 4))
+    assert a.scheduler.get_num_new_matched_tokens(with_embeds, 0) == (0, False)
+
+
+def test_dead_store_means_no_external_tokens() -> None:
+    replica = Replica({"store": "redis://127.0.0.1:1/0", "lookup_timeout_s": 1.0}, PagedLayout.KV_FIRST, 20)
+    try:
+        assert replica.scheduler.bridge.chunk_size == 256
+        req = make_request("r", list(range(300)))
+        assert replica.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+        replica.scheduler.update_state_after_alloc(req, None, 0)
+        blocks = list(range(19))
+        meta = replica.step(new_req_output(req, blocks, 0, 300), request_kv(300), blocks)
+        assert [(s.skip_tokens, s.end) for s in meta.saves] == [(0, 256)]  # offered to the store
+        assert replica.worker.bridge.wait_for_saves(5.0)
+        assert replica.worker.bridge.stats.num_saves_failed == 0  # the dead tier dropped it quietly
+        # the replica's RAM tier still serves what it saved; only the remote tier is gone
+        assert replica.scheduler.get_num_new_matched_tokens(make_request("r2", list(range(300))), 0) == (
+            256,
+            False,
+        )
+    finally:
+        replica.close()
+
+
+def test_worker_rejects_caches_that_do_not_match_the_model(fleet_dir: str) -> None:
+    config = make_vllm_config({"store": fleet_dir})
+    worker = KVMeshConnector(config, Role.WORKER)
+    try:
+        with pytest.raises(ValueError, match="the model says"):
+            worker.register_kv_caches({"l0": paged_cache(PagedLayout.KV_FIRST, num_layers=1)[0]})
+        with pytest.raises(ValueError, match="one KV cache tensor"):
+            worker.register_kv_caches({})
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"use_mla": True}, "MLA"),
+        ({"pp": 2}, "pipeline"),
+        ({"cache_dtype": "fp8"}, "fp8"),
+    ],
+)
+def test_unsupported_setups_fail_at_start(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        model_kv_format(make_vllm_config({}, **kwargs))
+
+
+def test_kv_format_names_rank_when_tensor_parallel() -> None:
+    fmt = model_kv_format(make_vllm_config({}, tp=2, cache_dtype="float16"))
+    assert fmt == ModelKVFormat("float16", 3, 2, 8, 2, 0)
+    assert fmt.layout_name() == "L3xH2xD8-tp2r0"
+    assert fmt.for_rank(1).layout_name() == "L3xH2xD8-tp2r1"
+    assert model_kv_format(make_vllm_config({})).layout_name() == "L3xH2xD8"
+
+
+def test_settings_parse_and_reject() -> None:
+    s = ConnectorSettings.from_extra_config(
+        {"kvmesh.store": "memory", "lookup_timeout_s": 0.2, "save": "false", "other_connector_key": 1}
+    )
+    assert (s.store, s.lookup_timeout_s, s.save, s.max_inflight) == ("memory", 0.2, False, 64)
+    for bad in (
+        {"kvmesh.stor": "x"},
+        {"lookup_timeout_s": 0},
+        {"max_inflight": 1.5},
+        {"save": "maybe"},
+        {"store": 3},
+    ):
+        with pytest.raises(ConfigError):
+            ConnectorSettings.from_extra_config(bad)
