@@ -30,6 +30,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -266,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     procs = Procs()
+    temp_files: list[Path] = []
     try:
         backend_urls = []
         for _ in range(args.backends):
@@ -290,8 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, HF_HUB_OFFLINE="1")
         kv_extra: list[str] = []
         if args.kvmesh_thread_min_chars is not None:
-            cfg = Path(f"/tmp/kvmesh-bench-router-{kv_port}.yaml")
+            cfg = Path(tempfile.gettempdir()) / f"kvmesh-bench-router-{kv_port}.yaml"
             cfg.write_text(f"tokenizeThreadMinChars: {args.kvmesh_thread_min_chars}\n")
+            temp_files.append(cfg)
             kv_extra = ["--config", str(cfg)]
         kv_proc = procs.start(
             [sys.executable, "-m", "kvmesh", "router", "--endpoints", ",".join(backend_urls), "--policy",
@@ -331,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                 )  # fmt: skip
     finally:
         procs.stop_all()
+        for path in temp_files:
+            path.unlink(missing_ok=True)
 
     results: dict[str, dict[str, float]] = {
         name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in rounds.items()

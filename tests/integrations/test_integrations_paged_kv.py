@@ -142,3 +142,36 @@ def test_store_array_dtype_mismatch_is_an_error() -> None:
         from_store_array(np.zeros((1, 2, 1, 1, 1), np.float32), torch.float16)
     with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
         store_dtype_name(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_permuted_strides_hnd_cache_round_trips(layout: PagedLayout) -> None:
+    """A cache whose memory is heads-before-tokens (vLLM's HND) but whose logical shape is the usual one."""
+    if layout is PagedLayout.KV_FIRST:
+        layers = [
+            torch.zeros((2, 12, 2, 16, 8), dtype=torch.float16).permute(0, 1, 3, 2, 4) for _ in range(3)
+        ]
+    else:
+        layers = [
+            torch.zeros((12, 2, 2, 16, 8), dtype=torch.float16).permute(0, 1, 3, 2, 4) for _ in range(3)
+        ]
+    assert not layers[0].is_contiguous()
+    g = detect_geometry(layers[0], 16)
+    block_ids = [10, 2, 6]
+    kv = request_kv(40, dtype=torch.float16, seed=9)
+    scatter(layers, g, token_slots(block_ids, 16, 0, 40), kv)
+    assert torch.equal(bits(read_request(layers, layout, block_ids, 16, 40)), bits(kv))
+    assert torch.equal(bits(gather(layers, g, token_slots(block_ids, 16, 0, 40))), bits(kv))
+
+
+def test_gather_into_a_given_buffer() -> None:
+    layers = paged_cache(PagedLayout.KV_FIRST)
+    g = detect_geometry(layers[0], 16)
+    kv = request_kv(32, seed=10)
+    write_request(layers, PagedLayout.KV_FIRST, [3, 4], 16, kv)
+    out = torch.zeros((3, 2, 2, 48, 8), dtype=torch.bfloat16)
+    gather(layers, g, token_slots([3, 4], 16, 0, 32), out=out[:, :, :, 16:, :])
+    assert torch.equal(bits(out[:, :, :, 16:]), bits(kv))
+    assert bool((out[:, :, :, :16] == 0).all())
+    with pytest.raises(ValueError, match="out must be"):
+        gather(layers, g, token_slots([3, 4], 16, 0, 32), out=out)

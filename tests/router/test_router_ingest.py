@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kvmesh.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvmesh.core.hashing import BlockHasher, Namespace
 from kvmesh.core.types import Medium, PodId
@@ -204,3 +207,67 @@ def test_key_memo_is_bounded_oldest_first():
     assert memo.get(keys[4] + raw[5 * 64 : 6 * 64]) == keys[5]
     # with block 0 gone, matching falls back to hashing and still gives the right keys
     assert list(iter_block_keys(h, TOKENS, memo)) == keys
+
+
+class _ModelEngine:
+    """A minimal engine cache for property tests: publishes what a kvmesh engine would."""
+
+    def __init__(self) -> None:
+        self.held: dict = {}  # our key -> engine hash
+
+    def serve(self, tokens: list[int], tenant: str) -> list:
+        keys = hasher(tenant).hash_blocks(tokens)
+        hit = 0
+        while hit < len(keys) and keys[hit] in self.held:
+            hit += 1
+        new = keys[hit:]
+        events = []
+        if new:
+            hashes = [int.from_bytes(k[:8], "big") for k in new]
+            parent = self.held[keys[hit - 1]] if hit else None
+            events.append(
+                BlockStored(
+                    hashes,
+                    parent,
+                    tokens[hit * 16 : len(keys) * 16],
+                    16,
+                    extra_keys=[[tenant]] if tenant and not hit else None,
+                )
+            )
+            self.held.update(zip(new, hashes, strict=True))
+        return events
+
+    def evict_tail(self, tokens: list[int], tenant: str, n: int) -> list:
+        keys = [k for k in hasher(tenant).hash_blocks(tokens) if k in self.held]
+        gone = keys[len(keys) - n :] if n else []
+        for k in gone:
+            del self.held[k]
+        return [BlockRemoved([int.from_bytes(k[:8], "big") for k in gone])] if gone else []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 4), st.sampled_from(["", "t1"]), st.booleans(), st.integers(0, 3)),
+        min_size=1,
+        max_size=25,
+    )
+)
+def test_index_tracks_an_engine_cache_exactly(steps):
+    """Random serve/evict sequences: the index answers what the engine holds, block for block."""
+    prompts = {i: [7] * 16 * (i % 2) + list(range(100 * i, 100 * i + 16 * (2 + i))) for i in range(5)}
+    idx, ap = make()
+    engine = _ModelEngine()
+    for prompt_id, tenant, evict, n in steps:
+        tokens = prompts[prompt_id]
+        events = engine.evict_tail(tokens, tenant, n) if evict else engine.serve(tokens, tenant)
+        for ev in events:
+            ap.apply(A, ev)
+        for pid, toks in prompts.items():
+            for t in ("", "t1"):
+                expected = 0
+                for k in hasher(t).hash_blocks(toks):
+                    if k not in engine.held:
+                        break
+                    expected += 1
+                assert match_prefix(idx, hasher(t), toks).hit_tokens(A) == expected * 16, (pid, t)

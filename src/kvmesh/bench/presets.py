@@ -100,7 +100,7 @@ LLMD_SCALED_STAGES: dict[str, list[Stage]] = {
     # without cache hits (about 14 QPS here) by 2-3x, as llm-d's 20-60 QPS stages do.
     "full": [Stage(15, 14), Stage(25, 15), Stage(35, 15), Stage(40, 15)],
     "demo": [Stage(15, 10), Stage(30, 10)],
-    "quick": [Stage(12, 6), Stage(25, 6)],
+    "quick": [Stage(12, 5), Stage(25, 5)],
 }
 
 

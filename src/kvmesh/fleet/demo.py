@@ -121,11 +121,53 @@ def explain_real(base: RunResult, best: RunResult, num_replicas: int) -> str:
     )
 
 
-async def run_real(options: DemoOptions, console: Console) -> dict[str, RunResult]:
-    """Part 1: round-robin without sharing vs precise routing with the shared-directory store."""
-    n = options.replicas or (3 if options.quick else 4)
+REAL_SETUPS: tuple[tuple[str, str, SharedTier], ...] = (
+    ("round-robin, per-replica caches", "round-robin", "none"),
+    ("precise + shared store", "precise", "dir"),
+)
+"""(label, router policy, shared tier) of the two real-model fleets."""
+
+
+def _real_replicas(options: DemoOptions) -> int:
+    return options.replicas or (3 if options.quick else 4)
+
+
+def real_fleet_configs(options: DemoOptions, base_dir: Path) -> list[FleetConfig]:
+    """The two real-model fleets of part 1, in :data:`REAL_SETUPS` order."""
+    return [
+        FleetConfig(
+            num_engines=_real_replicas(options),
+            model="smollm2",
+            shared=shared,
+            policy=policy,
+            run_dir=base_dir / policy,
+            engine_args=["--kv-capacity-tokens", str(REAL_KV_CAPACITY_TOKENS)],
+        )
+        for _label, policy, shared in REAL_SETUPS
+    ]
+
+
+def emulated_fleet_config(options: DemoOptions, base_dir: Path) -> FleetConfig:
+    """The 8-pod emulated fleet of part 2."""
+    scaled = llmd_73_scaled("quick" if options.quick else "demo")
+    return FleetConfig(
+        num_engines=scaled.num_engines,
+        model="smollm2",
+        emulate=scaled.emulate,
+        shared="none",
+        policy=EMULATED_POLICIES[0],
+        engine_args=["--kv-capacity-tokens", str(scaled.kv_capacity_tokens)],
+        run_dir=base_dir / "emulated",
+    )
+
+
+async def run_real(options: DemoOptions, console: Console, fleets: list[Fleet]) -> dict[str, RunResult]:
+    """Part 1 on started fleets: round-robin without sharing vs precise routing with the shared store.
+
+    Each fleet is stopped once its run is done.
+    """
+    n = _real_replicas(options)
     workload = real_workload(options.quick, n)
-    base_dir = options.run_dir or Path(f"/tmp/kvmesh-demo-{int(time.time())}")
     console.rule(f"[bold]1. real model: {n} SmolLM2-135M replicas, shared-prefix workload")
     console.print(
         f"[dim]{workload.num_groups} groups × {workload.num_prompts_per_group} prompts, {REAL_SYSTEM_PROMPT_LEN}-token "
@@ -134,69 +176,25 @@ async def run_real(options: DemoOptions, console: Console) -> dict[str, RunResul
         f"per replica[/dim]"
     )
     runs: dict[str, RunResult] = {}
-    setups: tuple[tuple[str, str, SharedTier], ...] = (
-        ("round-robin, per-replica caches", "round-robin", "none"),
-        ("precise + shared store", "precise", "dir"),
-    )
-    fleets = [
-        Fleet(
-            FleetConfig(
-                num_engines=n,
-                model="smollm2",
-                shared=shared,
-                policy=policy,
-                run_dir=base_dir / policy,
-                engine_args=["--kv-capacity-tokens", str(REAL_KV_CAPACITY_TOKENS)],
-            )
-        )
-        for _label, policy, shared in setups
-    ]
-    try:
-        # both fleets load their models at once; the idle one costs nothing while the other runs
-        with console.status(f"starting 2 × {n} SmolLM2 engines + routers ..."):
-            await asyncio.gather(*(f.start() for f in fleets))
-        for (label, _policy, _shared), fleet in zip(setups, fleets, strict=True):
-            opts = RunOptions(
-                base_url=fleet.url, model="", concurrency=n, progress=options.progress, label=label
-            )
-            runs[label] = await run_on_fleet(fleet, workload, opts)
-            await fleet.aclose()
-    finally:
-        await asyncio.gather(*(f.aclose() for f in fleets), return_exceptions=True)
+    for (label, _policy, _shared), fleet in zip(REAL_SETUPS, fleets, strict=True):
+        opts = RunOptions(base_url=fleet.url, model="", concurrency=n, progress=options.progress, label=label)
+        runs[label] = await run_on_fleet(fleet, workload, opts)
+        await fleet.aclose()
     console.print(_real_table(runs))
-    base, best = runs[setups[0][0]], runs[setups[1][0]]
-    console.print(explain_real(base, best, n))
+    console.print(explain_real(runs[REAL_SETUPS[0][0]], runs[REAL_SETUPS[1][0]], n))
     return runs
 
 
-async def run_emulated(options: DemoOptions, console: Console) -> dict[str, RunResult]:
-    """Part 2: llm-d's four schedulers on an emulated 8-pod Qwen3-32B fleet, scaled to this machine."""
+async def run_emulated(options: DemoOptions, console: Console, fleet: Fleet) -> dict[str, RunResult]:
+    """Part 2 on a started fleet: llm-d's four schedulers, 8 emulated Qwen3-32B pods, scaled."""
     scaled = llmd_73_scaled("quick" if options.quick else "demo")
     console.rule("[bold]2. emulated llm-d fleet: 8 pods Qwen3-32B TP2 H100, four schedulers")
     console.print(f"[dim]{scaled.description}[/dim]")
-    engine_args = (
-        ["--kv-capacity-tokens", str(scaled.kv_capacity_tokens)] if scaled.kv_capacity_tokens else []
+    opts = RunOptions(base_url=fleet.url, model="", progress=options.progress, label="emulated")
+    runs = await compare_policies(
+        fleet, scaled.workload, EMULATED_POLICIES, opts, scheduler_configs=scaled.scheduler_configs
     )
-    base_dir = options.run_dir or Path(f"/tmp/kvmesh-demo-{int(time.time())}")
-    config = FleetConfig(
-        num_engines=scaled.num_engines,
-        model="smollm2",
-        emulate=scaled.emulate,
-        shared="none",
-        policy=EMULATED_POLICIES[0],
-        engine_args=engine_args,
-        run_dir=base_dir / "emulated",
-    )
-    with console.status("starting 8 emulated engines + router ..."):
-        fleet = Fleet(config)
-        await fleet.start()
-    try:
-        opts = RunOptions(base_url=fleet.url, model="", progress=options.progress, label="emulated")
-        runs = await compare_policies(
-            fleet, scaled.workload, EMULATED_POLICIES, opts, scheduler_configs=scaled.scheduler_configs
-        )
-    finally:
-        await fleet.aclose()
+    await fleet.aclose()
     console.print(compare_table(runs, title="emulated llm-d 73-capacity (scaled): scheduler comparison"))
     for line in ratio_lines(runs, "precise", ["random", "load", "approximate"]):
         console.print(line)
@@ -204,13 +202,30 @@ async def run_emulated(options: DemoOptions, console: Console) -> dict[str, RunR
 
 
 async def run_demo(options: DemoOptions, console: Console) -> int:
-    """Run both parts; returns 0 when every run completed requests."""
+    """Start every fleet the demo needs at once, run both parts, stop everything.
+
+    Returns:
+        0 when every run completed requests, 1 otherwise.
+    """
     t0 = time.monotonic()
+    base_dir = options.run_dir or Path(f"/tmp/kvmesh-demo-{int(time.time())}")
+    real_fleets = [Fleet(c) for c in real_fleet_configs(options, base_dir)] if options.real else []
+    emulated = Fleet(emulated_fleet_config(options, base_dir)) if options.emulated else None
+    fleets = [*real_fleets, *([emulated] if emulated is not None else [])]
     all_runs: dict[str, dict[str, RunResult]] = {}
-    if options.real:
-        all_runs["real"] = await run_real(options, console)
-    if options.emulated:
-        all_runs["emulated"] = await run_emulated(options, console)
+    try:
+        # engines load in parallel; a fleet waiting for its turn idles at no CPU cost
+        with console.status(
+            f"starting {sum(f.config.num_engines for f in fleets)} engines and {len(fleets)} routers ..."
+        ):
+            await asyncio.gather(*(f.start() for f in fleets))
+        console.print(f"[dim]fleets up in {time.monotonic() - t0:.0f} s; logs under {base_dir}[/dim]")
+        if real_fleets:
+            all_runs["real"] = await run_real(options, console, real_fleets)
+        if emulated is not None:
+            all_runs["emulated"] = await run_emulated(options, console, emulated)
+    finally:
+        await asyncio.gather(*(f.aclose() for f in fleets), return_exceptions=True)
     if options.json_path is not None:
         for part, runs in all_runs.items():
             write_json(options.json_path.with_name(f"{options.json_path.stem}-{part}.json"), runs)

@@ -153,32 +153,58 @@ def _split(slots: torch.Tensor, g: PagedGeometry, device: torch.device) -> tuple
     return slots // g.block_size, slots % g.block_size
 
 
-def gather(layers: Sequence[torch.Tensor], geometry: PagedGeometry, slots: torch.Tensor) -> torch.Tensor:
+def _flat_slots(layer: torch.Tensor, g: PagedGeometry) -> torch.Tensor | None:
+    """``layer`` viewed as [2, num_blocks * block_size, heads, dim] without copying, when its
+    strides allow it (a contiguous KV_FIRST cache); ``None`` otherwise."""
+    if g.layout is not PagedLayout.KV_FIRST:
+        return None
+    try:
+        return layer.view(2, g.num_blocks * g.block_size, g.num_kv_heads, g.head_dim)
+    except RuntimeError:
+        return None
+
+
+def gather(
+    layers: Sequence[torch.Tensor],
+    geometry: PagedGeometry,
+    slots: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Copy the KV at ``slots`` out of every layer.
 
     Args:
         layers: the paged cache, one tensor per layer, all of ``geometry``.
         geometry: their shape.
         slots: one slot per token, in token order.
+        out: where to write, shaped (L, 2, H, T, D) with the layers' dtype; a new tensor on the
+            layers' device when ``None``.
 
     Returns:
-        A new tensor (L, 2, H, T, D) on the layers' device.
+        ``out``, or the new tensor.
 
     Raises:
-        ValueError: a slot outside the cache.
+        ValueError: a slot outside the cache, or ``out`` of the wrong shape or dtype.
     """
     if not layers:
         raise ValueError("gather needs at least one layer")
-    blocks, offsets = _split(slots, geometry, layers[0].device)
-    out = []
-    for layer in layers:
-        if geometry.layout is PagedLayout.KV_FIRST:
+    g = geometry
+    want = (len(layers), 2, g.num_kv_heads, slots.numel(), g.head_dim)
+    if out is None:
+        out = torch.empty(want, dtype=g.dtype, device=layers[0].device)
+    elif tuple(out.shape) != want or out.dtype != g.dtype:
+        raise ValueError(f"out must be {list(want)} {g.dtype}, got {list(out.shape)} {out.dtype}")
+    blocks, offsets = _split(slots, g, layers[0].device)
+    flat_slots = slots.to(device=layers[0].device, dtype=torch.int64)
+    for n, layer in enumerate(layers):
+        flat = _flat_slots(layer, g)
+        if flat is not None:
+            picked = flat.index_select(1, flat_slots)  # (2, T, H, D)
+        elif g.layout is PagedLayout.KV_FIRST:
             picked = layer[:, blocks, offsets]  # (2, T, H, D)
         else:
-            picked = layer[blocks, :, offsets]  # (T, 2, H, D)
-            picked = picked.transpose(0, 1)
-        out.append(picked.permute(0, 2, 1, 3))  # (2, H, T, D)
-    return torch.stack(out)
+            picked = layer[blocks, :, offsets].transpose(0, 1)  # (T, 2, H, D) -> (2, T, H, D)
+        out[n].copy_(picked.permute(0, 2, 1, 3))
+    return out
 
 
 def scatter(
@@ -199,10 +225,14 @@ def scatter(
         return
     device = layers[0].device
     blocks, offsets = _split(slots, geometry, device)
+    flat_slots = slots.to(device=device, dtype=torch.int64)
     kv = kv.to(device)
     for n, layer in enumerate(layers):
         values = kv[n].permute(0, 2, 1, 3)  # (2, T, H, D)
-        if geometry.layout is PagedLayout.KV_FIRST:
+        flat = _flat_slots(layer, geometry)
+        if flat is not None:
+            flat.index_copy_(1, flat_slots, values)
+        elif geometry.layout is PagedLayout.KV_FIRST:
             layer[:, blocks, offsets] = values
         else:
             layer[blocks, :, offsets] = values.transpose(0, 1)
@@ -223,7 +253,6 @@ def from_store_array(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     Raises:
         ValueError: the array's dtype cannot hold ``dtype``'s values bit for bit.
     """
-    array = np.ascontiguousarray(array)
     if dtype == torch.bfloat16:
         if array.dtype != np.uint16:
             raise ValueError(f"bfloat16 KV must arrive as uint16 bit patterns, got {array.dtype}")

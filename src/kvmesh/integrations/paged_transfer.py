@@ -103,11 +103,16 @@ class PagedKVTransfer:
         g = self.geometry
         start = spec.skip_tokens - spec.skip_tokens % self.bridge.chunk_size
         slots = token_slots(spec.block_ids, g.block_size, start, spec.end)
-        fresh = to_store_array(gather(self.layers, g, slots))
-        # The store encodes only chunks past skip_tokens; the leading part is never read.
-        kv = np.empty((*fresh.shape[:3], spec.end, *fresh.shape[4:]), dtype=fresh.dtype)
-        kv[:, :, :, start:, :] = fresh
-        ok = self.bridge.save(spec.token_ids[: spec.end], spec.namespace, kv, skip_tokens=spec.skip_tokens)
+        # The store encodes only chunks past skip_tokens; tokens before ``start`` are never read.
+        kv = torch.empty((len(self.layers), 2, g.num_kv_heads, spec.end, g.head_dim), dtype=g.dtype)
+        if self.layers[0].device.type == "cpu":
+            gather(self.layers, g, slots, out=kv[:, :, :, start:, :])
+        else:
+            kv[:, :, :, start:, :] = gather(self.layers, g, slots).cpu()
+        kv_array = to_store_array(kv)
+        ok = self.bridge.save(
+            spec.token_ids[: spec.end], spec.namespace, kv_array, skip_tokens=spec.skip_tokens
+        )
         if ok:
             self.stats.num_saved_tokens += spec.end - start
         else:

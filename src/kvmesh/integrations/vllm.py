@@ -131,6 +131,7 @@ class ModelKVFormat:
         return base if self.tp_size == 1 else f"{base}-tp{self.tp_size}r{self.tp_rank}"
 
     def for_rank(self, tp_rank: int) -> ModelKVFormat:
+        """This format as seen by tensor-parallel rank ``tp_rank``."""
         return ModelKVFormat(
             self.kv_dtype, self.num_layers, self.num_kv_heads, self.head_dim, self.tp_size, tp_rank
         )
