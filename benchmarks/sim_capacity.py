@@ -122,7 +122,7 @@ def q3() -> dict[str, Any]:
     """10 × Llama-3.1-8B at 50 req/s each; 1536-token prefixes = 201 MB of KV each (128 KiB/token)."""
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        trace = mooncake_trace(Path(tmp) / "q3.jsonl", rate=500.0, duration=30.0, groups=330)
+        trace = mooncake_trace(Path(tmp) / "q3.jsonl", rate=500.0, duration=30.0, groups=300)
         wl = MooncakeTraceWorkload(trace, name="q3")
         print("\n### 10 replicas × 50 req/s, 201 MB prefixes, random routing + shared tier\n")
         print(HEADER)

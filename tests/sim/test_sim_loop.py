@@ -49,12 +49,17 @@ def test_link_queues_transfers_fifo_and_adds_latency():
     assert link.transfer(10.0, 0) == 10.0  # nothing to send
 
 
-def test_path_transfer_runs_at_the_slowest_link_and_holds_both():
-    fast = Link(4000.0, 0.1)
-    slow = Link(1000.0, 0.2)
-    done = path_transfer(0.0, 2000, fast, slow)
-    assert done == pytest.approx(2.0 + 0.2)
-    assert fast.busy_until == slow.busy_until == pytest.approx(2.0)
+def test_path_transfer_lands_when_the_slowest_link_is_through():
+    store = Link(4000.0, 0.0)
+    nic_a, nic_b = Link(1000.0, 0.2), Link(1000.0, 0.2)
+    # two replicas pull at once: the 4x faster store NIC serves both, each replica NIC takes 2 s
+    assert path_transfer(0.0, 2000, store, nic_a) == pytest.approx(2.2)
+    assert path_transfer(0.0, 2000, store, nic_b) == pytest.approx(2.2)
+    assert store.busy_until == pytest.approx(1.0)
+    # a slow store NIC is the queue
+    slow_store = Link(500.0)
+    assert path_transfer(0.0, 1000, slow_store, Link(1000.0)) == pytest.approx(2.0)
+    assert path_transfer(0.0, 1000, slow_store, Link(1000.0)) == pytest.approx(4.0)
     assert gbps_to_bytes_per_s(8.0) == 1e9
 
 

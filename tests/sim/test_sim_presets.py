@@ -40,5 +40,11 @@ def test_precise_beats_random_when_random_saturates():
     wl = dataclasses.replace(scenario.workload, stages=[Stage(15.0, 50.0), Stage(25.0, 20.0)])
     precise = build_report(simulate(scenario.fleet_for("precise"), wl))
     rnd = build_report(simulate(scenario.fleet_for("random"), wl))
-    assert precise.summary.hit_rate > rnd.summary.hit_rate + 0.3, (precise.summary.hit_rate, rnd.summary.hit_rate)
-    assert 5 * precise.summary.ttft.p90 < rnd.summary.ttft.p90, (precise.summary.ttft.p90, rnd.summary.ttft.p90)
+    assert precise.summary.hit_rate > rnd.summary.hit_rate + 0.3, (
+        precise.summary.hit_rate,
+        rnd.summary.hit_rate,
+    )
+    assert 5 * precise.summary.ttft.p90 < rnd.summary.ttft.p90, (
+        precise.summary.ttft.p90,
+        rnd.summary.ttft.p90,
+    )

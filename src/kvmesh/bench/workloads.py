@@ -152,8 +152,11 @@ def stage_arrivals(
     for index, stage in enumerate(stages):
         end = start + stage.duration
         t = start
+        k = 0
         while True:
-            t += rng.expovariate(stage.rate) if arrival == "poisson" else 1.0 / stage.rate
+            k += 1
+            # constant arrivals are computed, not summed, so rounding never adds one at the stage end
+            t = t + rng.expovariate(stage.rate) if arrival == "poisson" else start + k / stage.rate
             if t >= end:
                 break
             yield t, index

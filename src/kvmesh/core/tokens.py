@@ -63,6 +63,16 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 
+    @property
+    def fast_backend(self) -> Any | None:
+        """The Rust ``tokenizers.Tokenizer`` behind a fast HF tokenizer, or ``None``.
+
+        Its ``encode_batch_fast`` returns the same ids as :meth:`encode` (no normalisation happens
+        in the Python wrapper) without building offsets, for callers that only need ids.
+        """
+        backend = getattr(self._tok, "_tokenizer", None)
+        return backend if hasattr(backend, "encode_batch_fast") else None
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a completion prompt."""
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))

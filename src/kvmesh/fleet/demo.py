@@ -51,17 +51,24 @@ As in llm-d's benchmark, the fleet's resident prompt set fits in the fleet's KV 
 stays on one replica; a replica that serves every group (round-robin) keeps evicting."""
 
 
-def real_workload(quick: bool, num_replicas: int) -> SharedPrefixWorkload:
-    """The real-model workload: about one group of prompts per replica, every prompt sent twice.
+def real_cycles(quick: bool, num_replicas: int) -> int:
+    """How many times each prompt is sent: 3 (2 with ``quick``, or with 2 replicas, where the third
+    occurrence would land where the first did under round-robin)."""
+    return 2 if quick or num_replicas <= 2 else 3
 
-    The number of prompts is no multiple of the replica count, so round-robin never sends the second
-    occurrence of a prompt to the replica that served the first.
+
+def real_workload(quick: bool, num_replicas: int) -> SharedPrefixWorkload:
+    """The real-model workload: about one group of prompts per replica, every prompt sent 2-3 times.
+
+    The number of prompts is chosen so that round-robin never sends a repeated prompt to the replica
+    that served an earlier occurrence of it (no accidental per-replica repeat hits).
     """
+    cycles = real_cycles(quick, num_replicas)
     groups, per_group = num_replicas, 2 if quick else 4
     if num_replicas > 1:
         groups, per_group = min(
-            ((g, q) for g in range(groups, groups + num_replicas) for q in range(per_group, per_group + 2)
-             if (g * q) % num_replicas),
+            ((g, q) for g in range(groups, groups + 2 * num_replicas) for q in range(per_group, per_group + 2)
+             if all((k * g * q) % num_replicas for k in range(1, cycles))),
             key=lambda gq: (gq[0] * gq[1], gq),
         )  # fmt: skip
     return SharedPrefixWorkload(
@@ -70,7 +77,7 @@ def real_workload(quick: bool, num_replicas: int) -> SharedPrefixWorkload:
         system_prompt_len=REAL_SYSTEM_PROMPT_LEN,
         question_len=REAL_QUESTION_LEN,
         output_len=REAL_OUTPUT_LEN,
-        num_requests=2 * groups * per_group,
+        num_requests=cycles * groups * per_group,
         vocab_size=49_152,
         seed=1,
         name="demo-shared-prefix",
@@ -113,9 +120,9 @@ def explain_real(base: RunResult, best: RunResult, num_replicas: int) -> str:
     ideal = k.reusable_tokens / k.prompt_tokens if k.prompt_tokens else 0.0
     return (
         f"An ideal fleet-wide cache could have served {ideal:.0%} of the prompt tokens. Round-robin spread each "
-        f"group's system prompt over all {num_replicas} replicas, so each replica recomputed what another had "
-        f"already computed: it served {b.reusable_hit_rate:.0%} of the reusable tokens (1/{num_replicas} = "
-        f"{1 / num_replicas:.0%}). Precise routing sent each prompt to the replica whose KV events showed its "
+        f"group's system prompt over all {num_replicas} replicas; each replica, with KV room for about one group, "
+        f"kept evicting and recomputing what another had already computed: it served {b.reusable_hit_rate:.0%} "
+        f"of the reusable tokens (1/{num_replicas} = {1 / num_replicas:.0%}). Precise routing sent each prompt to the replica whose KV events showed its "
         f"prefix, and the shared directory let any replica load chunks another had written: {k.reusable_hit_rate:.0%} "
         f"of the reusable tokens came from cache, p90 TTFT fell {ttft:.1f}x and throughput rose {thr:.2f}x."
     )
@@ -172,7 +179,7 @@ async def run_real(options: DemoOptions, console: Console, fleets: list[Fleet]) 
     console.print(
         f"[dim]{workload.num_groups} groups × {workload.num_prompts_per_group} prompts, {REAL_SYSTEM_PROMPT_LEN}-token "
         f"system prompt + {REAL_QUESTION_LEN}-token question, {REAL_OUTPUT_LEN} output tokens; every prompt sent "
-        f"twice ({workload.num_requests} requests), {n} concurrent clients; {REAL_KV_CAPACITY_TOKENS} KV tokens "
+        f"{real_cycles(options.quick, n)} times ({workload.num_requests} requests), {n} concurrent clients; {REAL_KV_CAPACITY_TOKENS} KV tokens "
         f"per replica[/dim]"
     )
     runs: dict[str, RunResult] = {}

@@ -8,7 +8,7 @@
     revision: null         # model revision in block keys; null likewise
     tokenizer: smollm2     # tokenizer spec (kvmesh.core.models); null routes text prompts by load only
     blockSize: 16
-    hashAlgo: sha256
+    hashAlgo: xxh3
     adminToken: null       # bearer token of /admin/*; null reads $KVMESH_ROUTER_ADMIN_TOKEN, else admin is off
     policy: precise        # a preset name, used when no `scheduler` is given
     scheduler: {plugins: [...], schedulingProfiles: [...]}
@@ -71,7 +71,12 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     revision: str | None = None
     tokenizer: str | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
-    hash_algo: str = HashAlgo.SHA256.value
+    hash_algo: str = HashAlgo.XXH3.value
+    """Digest of the router's own block keys. Engines' hashes are opaque to the router (it
+    re-hashes event tokens), so this need not match them; xxh3 makes ingestion and scoring
+    cheaper. Tenants stay apart because the tenant is in every chain's root; a collision can only
+    misroute a request, never serve another tenant's KV (engines and the store key with their own
+    digest). Routers sharing a Redis index must agree on it."""
     admin_token: str | None = None
     policy: str = "precise"
     scheduler: dict[str, Any] | None = None
@@ -88,6 +93,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     """Text prompts this long or longer are tokenized on a worker thread (the tokenizer releases
     the GIL, so the event loop keeps serving); shorter ones inline. 0 (default) sends every text
     prompt to a thread, which measured cheaper per request even for ~1k-character prompts."""
+    tokenizer_cache_entries: int = 4096
+    """Exact prompts (and exact chat message lists) whose token ids are kept, least recently used
+    leaving first; 0 disables the cache. See :mod:`kvmesh.router.tokenize`."""
     seed: int | None = None
     """Seeds the scheduler's random source (ties, random policies)."""
 
@@ -102,6 +110,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
             raise ConfigError(f"index.backend must be memory or redis, got {self.index.backend!r}")
         if self.index.backend == "redis" and not self.index.redis_url:
             raise ConfigError("index.backend redis needs index.redisUrl")
+        if self.tokenizer_cache_entries < 0:
+            raise ConfigError(f"tokenizerCacheEntries must be >= 0, got {self.tokenizer_cache_entries}")
         if self.max_attempts < 1:
             raise ConfigError(f"maxAttempts must be >= 1, got {self.max_attempts}")
         if self.admin_token is None:

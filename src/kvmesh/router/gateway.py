@@ -47,6 +47,7 @@ from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.prefix import as_token_array
 from kvmesh.router.scheduler import Scheduler, load_scheduler_config
+from kvmesh.router.tokenize import CachedTokenizer, PromptTokenizer
 from kvmesh.router.types import Decision, PrefixMatch, RoutingRequest
 
 logger = logging.getLogger(__name__)
@@ -56,14 +57,6 @@ TENANT_HEADER = "x-tenant-id"
 SESSION_HEADER = "x-session-id"
 _USAGE_TAIL = 16 * 1024
 _FORWARD_HEADERS = ("authorization", "x-request-id", TENANT_HEADER, SESSION_HEADER)
-
-
-class PromptTokenizer(Protocol):
-    """What the gateway needs from :class:`kvmesh.core.tokens.Tokenizer`."""
-
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
-
-    def apply_chat_template(self, messages: Any, *, add_generation_prompt: bool = True) -> list[int]: ...
 
 
 def _error(
@@ -87,7 +80,8 @@ class Gateway:
 
     Args:
         config: the router configuration.
-        tokenizer: text and chat tokenizer (``None``: text prompts are routed by load only).
+        tokenizer: text and chat tokenizer (``None``: text prompts are routed by load only);
+            wrapped in a :class:`CachedTokenizer`.
         index: the block index (default from ``config.index``).
     """
 
@@ -99,7 +93,11 @@ class Gateway:
         index: BlockIndex | None = None,
     ) -> None:
         self.config = config
-        self.tokenizer = tokenizer
+        self.tokenizer: PromptTokenizer | None = (
+            CachedTokenizer(tokenizer, cache_entries=config.tokenizer_cache_entries)
+            if tokenizer is not None and not isinstance(tokenizer, CachedTokenizer)
+            else tokenizer
+        )
         self.metrics = RouterMetrics()
         self.index: BlockIndex = InstrumentedIndex(
             index if index is not None else self._make_index(), self.metrics.registry
@@ -467,7 +465,7 @@ class Gateway:
                 pool.end_request(pod)
                 self.metrics.errors.labels("upstream").inc()
                 return _error(502, f"endpoint {pod} failed: {exc}", kind="upstream_error")
-            self.metrics.decisions.labels(pod).inc()
+            self.metrics.count_decision(pod)
             if pod == decision.endpoint:
                 self.metrics.predicted_hit_tokens.inc(decision.predicted_hit_tokens)
             try:

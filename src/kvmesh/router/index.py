@@ -16,6 +16,8 @@ an LRU-bounded ordered dict mutated only from the event loop (no locks).
 
 from __future__ import annotations
 
+import collections
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -178,16 +180,12 @@ class InMemoryIndex:
                 del blocks[key]
 
     def lookup(self, keys: Iterable[BlockKey]) -> list[Holders]:
-        blocks = self._blocks
-        move = blocks.move_to_end
-        out: list[Holders] = []
-        append = out.append
-        for key in keys:
-            holders = blocks.get(key)
-            if not holders:
-                break
-            move(key)
-            append(holders)
+        # C-level iteration (a long cached prompt is hundreds of keys): take holders up to the
+        # first unknown key, then touch exactly the matched keys, replayed from the tee buffer.
+        probe, touch = itertools.tee(keys)
+        out: list[Holders] = list(itertools.takewhile(bool, map(self._blocks.get, probe)))
+        if out:
+            collections.deque(map(self._blocks.move_to_end, itertools.islice(touch, len(out))), maxlen=0)
         return out
 
     def clear_pod(self, pod: PodId) -> int:

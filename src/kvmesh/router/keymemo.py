@@ -16,11 +16,14 @@ Written from the event loop only; ``get`` from a worker thread is safe (single d
 
 from __future__ import annotations
 
+import contextlib
+import struct
 from collections.abc import Sequence
 
 from kvmesh.core.types import BlockKey
 
 DEFAULT_MEMO_CAPACITY = 262_144
+_MISS = BlockKey(b"")
 
 
 class BlockKeyMemo:
@@ -54,15 +57,16 @@ class BlockKeyMemo:
             stride: bytes per block (``4 * block_size``).
         """
         get = self._keys.get
-        out: list[BlockKey] = []
-        append = out.append
-        prev = parent
-        for off in range(0, len(raw) - stride + 1, stride):
-            key = get(prev + raw[off : off + stride])
-            if key is None:
-                break
-            append(key)
-            prev = key
+        prev: bytes = parent
+        whole = len(raw) - len(raw) % stride
+        blocks = raw if whole == len(raw) else memoryview(raw)[:whole]
+        # After a miss the chain is broken: later entries are discarded whatever they hold. The
+        # comprehension and struct's splitting keep the per-block cost to one concat and a probe.
+        out: list[BlockKey] = [
+            prev := get(prev + block, _MISS) for (block,) in struct.iter_unpack(f"{stride}s", blocks)
+        ]
+        with contextlib.suppress(ValueError):
+            del out[out.index(_MISS) :]
         return out
 
     def remember(self, parent: BlockKey, raw: bytes, keys: Sequence[BlockKey]) -> None:

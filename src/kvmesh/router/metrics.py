@@ -58,6 +58,7 @@ class RouterMetrics:
         self.errors = Counter("kvmesh_router_errors", "Requests answered with an error", ["kind"], registry=r)
 
         self._scorer_children: dict[str, Any] = {}
+        self._decision_children: dict[str, Any] = {}
 
     def observe_scorer(self, scorer: str, seconds: float) -> None:
         """Record one scorer run (the scheduler's ``on_timing`` hook)."""
@@ -65,3 +66,10 @@ class RouterMetrics:
         if child is None:
             child = self._scorer_children[scorer] = self.scorer_seconds.labels(scorer)
         child.observe(seconds)
+
+    def count_decision(self, pod: str) -> None:
+        """Count one request sent to ``pod`` (label children are cached: ``labels()`` is slow)."""
+        child = self._decision_children.get(pod)
+        if child is None:
+            child = self._decision_children[pod] = self.decisions.labels(pod)
+        child.inc()

@@ -6,6 +6,8 @@ holds, so a cold 8k-token prompt costs one or two hash groups instead of 512 dig
 
 from __future__ import annotations
 
+import collections
+import itertools
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -57,8 +59,14 @@ def iter_block_keys(
 
     Blocks found in ``memo`` cost a dict probe; the rest are hashed in groups that double in size
     (2, 4, 8, ... 128 blocks), so a cold prompt costs a couple of digests and a long cached one
-    few calls into the hasher.
+    few calls into the hasher. Keys are produced a group at a time and flattened in C.
     """
+    return itertools.chain.from_iterable(_iter_key_groups(hasher, tokens, memo))
+
+
+def _iter_key_groups(
+    hasher: BlockHasher, tokens: Sequence[int] | np.ndarray, memo: BlockKeyMemo | None
+) -> Iterator[list[BlockKey]]:
     bs = hasher.block_size
     end = hasher.num_full_blocks(len(tokens)) * bs
     if end == 0:
@@ -72,21 +80,22 @@ def iter_block_keys(
     for seg_start, seg_end in ((0, head), (head, end)):
         if seg_start >= seg_end:
             break
-        arr = as_token_array(tokens[seg_start:seg_end])
+        # The tail is a view of the whole prompt converted once (a list slice would copy it first).
+        arr = as_token_array(tokens[:seg_end]) if seg_start == 0 else as_token_array(tokens)[seg_start:seg_end]
         n = seg_end - seg_start
         off = 0
         if walking:
             assert memo is not None
             known = memo.walk(hasher.root if parent is None else parent, arr.tobytes(), bs * 4)
-            yield from known
             if known:
+                yield known
                 parent = known[-1]
                 off = len(known) * bs
             walking = off == n
         while off < n:
             stop = min(off + group * bs, n)
             keys = hasher.hash_blocks(arr[off:stop], parent)
-            yield from keys
+            yield keys
             parent = keys[-1]
             off, group = stop, min(group * 2, _MAX_GROUP)
 
@@ -131,41 +140,22 @@ def match_prefix_keys(
     holders_chain = index.lookup(keys)
     if not holders_chain:
         return result
-    alive: set[PodId] = set(holders_chain[0])
-    # Per pod, how many matched blocks had each MediumSet value; turned into tiers at the end.
-    by_mask: dict[PodId, list[int]] = {pod: [0] * 16 for pod in alive}
-    for depth, holders in enumerate(holders_chain):
-        if len(alive) == 1:
-            _count_single(next(iter(alive)), holders_chain, depth, by_mask)
-            break
-        if len(alive) > len(holders) or not alive <= holders.keys():
-            alive &= holders.keys()
-            if not alive:
-                break
-        for pod in alive:
-            by_mask[pod][holders[pod]] += 1
+    # A pod's match is the run of blocks from 0 it holds; count that run's MediumSet values,
+    # then turn them into tiers. map/index/Counter keep the per-block work in C.
     pods = result.pods
-    for pod, counts in by_mask.items():
+    for pod in holders_chain[0]:
+        # MediumSet values are never 0 (an emptied entry is deleted), so bool stops at the gap.
+        masks = list(itertools.takewhile(bool, map(dict.get, holders_chain, itertools.repeat(pod))))
         match = PodMatch()
-        for mask, n in enumerate(counts):
-            if n:
-                tier = best_medium(MediumSet(mask))
-                match.num_blocks += n
-                match.blocks_by_tier[tier] = match.blocks_by_tier.get(tier, 0) + n
+        # Usually every block sits in the same tiers: one count instead of a Counter.
+        first = masks[0]
+        counts = {first: len(masks)} if masks.count(first) == len(masks) else collections.Counter(masks)
+        for mask, n in counts.items():
+            tier = best_medium(MediumSet(mask))
+            match.num_blocks += n
+            match.blocks_by_tier[tier] = match.blocks_by_tier.get(tier, 0) + n
         pods[pod] = match
     return result
-
-
-def _count_single(
-    pod: PodId, holders_chain: list[dict[PodId, MediumSet]], start: int, by_mask: dict[PodId, list[int]]
-) -> None:
-    """The common tail of a match: one pod left, counted without set arithmetic."""
-    counts = by_mask[pod]
-    for i in range(start, len(holders_chain)):
-        mask = holders_chain[i].get(pod)
-        if mask is None:
-            return
-        counts[mask] += 1
 
 
 def weighted_blocks(match: PodMatch, tier_weights: Mapping[Medium, float] = DEFAULT_TIER_WEIGHTS) -> float:

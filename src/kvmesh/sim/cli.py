@@ -128,7 +128,13 @@ def _run(args: argparse.Namespace) -> int:
             sim = FleetSimulation(cfg)
         except (ConfigError, ValueError) as exc:
             return _err(str(exc))
-        with console.status(f"simulating {label} …"):
+        with console.status(f"simulating {label} …") as status:
+
+            def progress(done: int, status: Any = status, label: str = label) -> None:
+                if done % 1000 == 0:
+                    status.update(f"simulating {label} … {done} requests done")
+
+            sim.on_progress = progress
             run = sim.run(workload)
         reports[label] = build_report(run, label)
         if not args.json:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.bench.workloads import RequestSpec, Workload
@@ -123,7 +123,6 @@ class FleetRun:
     wall_s: float
     num_events: int
     cost: CostModel
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class _KeyMemo:
@@ -219,6 +218,7 @@ class FleetSimulation:
         self._queue: list[tuple[float, list[int], list[int]]] = []
         self._stage_rates: list[float] = []
         self.on_progress: Callable[[int], None] | None = None
+        """Called with the number of requests done after each one finishes (for progress displays)."""
 
     def _prefill_rate(self) -> float:
         n = 4096

@@ -58,19 +58,16 @@ class Link:
 
 
 def path_transfer(now: float, num_bytes: int, *links: Link) -> float:
-    """Send ``num_bytes`` across several links in series (store NIC then replica NIC, say).
+    """Send ``num_bytes`` across several links in series (the store's NIC, then a replica's NIC).
 
-    The transfer starts when every link on the path is free and runs at the slowest link's rate;
-    each link is held for that whole time. Returns the arrival time of the last byte.
+    Each link is its own FIFO server: it is busy for ``num_bytes`` at its own rate, from when it frees
+    up. The transfer lands when the last link is through, plus the largest latency on the path. So a
+    fast store NIC serves several slower replica NICs at once, and a store NIC slower than the sum of
+    its clients becomes the queue.
     """
     if num_bytes <= 0 or not links:
         return now
-    start = max(now, *(link.busy_until for link in links))
-    rate = min(link.bytes_per_s for link in links)
-    duration = 0.0 if math.isinf(rate) else num_bytes / rate
+    done = now
     for link in links:
-        link.busy_until = start + duration
-        link.busy_s += duration
-        link.num_bytes += num_bytes
-        link.num_transfers += 1
-    return start + duration + max(link.latency_s for link in links)
+        done = max(done, link.transfer(now, num_bytes) - link.latency_s)
+    return done + max(link.latency_s for link in links)

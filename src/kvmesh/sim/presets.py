@@ -118,7 +118,7 @@ _STAGES_73 = [
 LLMD_73 = ScenarioPreset(
     name="llmd-73-capacity",
     description="Qwen3-32B, 8 pods TP2 on H100, 307,328 KV tokens per pod; shared_prefix 150 groups × 5 "
-    "prompts, 6000 + 1200 tokens in, 1000 out; resident set ≈ 73% of fleet KV",
+    "prompts, 6000 + 1200 tokens in, 1000 out configured (245 simulated); resident set ≈ 73% of fleet KV",
     fleet=FleetConfig(
         num_replicas=8,
         model_preset=_calibrated("qwen3-32b-h100-tp2"),
@@ -154,7 +154,7 @@ OUTPUT_LEN_37 = 156
 LLMD_37 = ScenarioPreset(
     name="llmd-37-capacity",
     description="Llama-3.1-70B, 4 pods TP4 on H100; shared_prefix 83 groups × 3 prompts, 8000 + 1000 tokens "
-    "in, 1000 out; resident set ≈ 37% of fleet KV",
+    "in, 1000 out configured (156 simulated); resident set ≈ 37% of fleet KV",
     fleet=FleetConfig(
         num_replicas=4,
         model_preset=_calibrated("llama-3.1-70b-h100-tp4"),

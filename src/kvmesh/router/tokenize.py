@@ -1,0 +1,123 @@
+"""Prompt tokenization for routing: the Rust tokenizer called directly, plus an exact-match cache.
+
+The gateway must hash exactly the ids the engine will cache, so nothing here approximates:
+
+- ``encode`` goes to the fast tokenizer's ``encode_batch_fast`` (ids only, no offsets), which
+  returns the ids :meth:`kvmesh.core.tokens.Tokenizer.encode` returns, about 20% cheaper; a
+  tokenizer without a fast backend is called as is.
+- a bounded LRU maps *exact* inputs to their ids: the whole prompt string (with the
+  special-tokens flag), or a chat's whole message list serialized to JSON (which also skips
+  rendering the template). Tokenization is a pure function of these inputs, so a hit returns
+  what a fresh call would; a prompt that differs by one character is a different key. Shared
+  prefixes alone are never reused, because BPE merges can cross the point where two prompts
+  diverge.
+
+Callers get the cached list itself and must not mutate it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any, Protocol
+
+import msgspec
+
+DEFAULT_CACHE_ENTRIES = 4096
+DEFAULT_CACHE_MAX_CHARS = 32_768
+"""Longer inputs are tokenized every time instead of being cached (bounds the cache's memory)."""
+
+
+class PromptTokenizer(Protocol):
+    """What the gateway needs from a tokenizer (:class:`kvmesh.core.tokens.Tokenizer` fits)."""
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(self, messages: Any, *, add_generation_prompt: bool = True) -> list[int]: ...
+
+
+class CachedTokenizer:
+    """A :class:`PromptTokenizer` with a fast encode path and an exact-match LRU.
+
+    Safe to call from several threads (the gateway tokenizes long prompts on worker threads).
+
+    Args:
+        tokenizer: the model's tokenizer.
+        cache_entries: most cached inputs (0 disables the cache).
+        cache_max_chars: inputs longer than this are not cached.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PromptTokenizer,
+        *,
+        cache_entries: int = DEFAULT_CACHE_ENTRIES,
+        cache_max_chars: int = DEFAULT_CACHE_MAX_CHARS,
+    ) -> None:
+        if cache_entries < 0 or cache_max_chars < 0:
+            raise ValueError(f"cache sizes must be >= 0, got {cache_entries} entries, {cache_max_chars} chars")
+        self.inner = tokenizer
+        self._backend = getattr(tokenizer, "fast_backend", None)
+        self._cache: OrderedDict[tuple[int, str | bytes], list[int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.cache_entries = cache_entries
+        self.cache_max_chars = cache_max_chars
+        self.num_hits = 0
+        self.num_misses = 0
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a completion prompt (same as the wrapped tokenizer's ``encode``)."""
+        key = (int(add_special_tokens), text)
+        ids = self._lookup(key, len(text))
+        if ids is None:
+            ids = self._encode(text, add_special_tokens)
+            self._store(key, len(text), ids)
+        return ids
+
+    def apply_chat_template(self, messages: Any, *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat (same as the wrapped tokenizer's ``apply_chat_template``)."""
+        try:
+            raw = msgspec.json.encode(messages)
+        except (TypeError, msgspec.EncodeError):
+            raw = b""
+        key = (2 + int(add_generation_prompt), raw)
+        size = len(raw) if raw else self.cache_max_chars + 1
+        ids = self._lookup(key, size)
+        if ids is None:
+            render = getattr(self.inner, "render_chat", None)
+            if self._backend is not None and render is not None:
+                # What Tokenizer.apply_chat_template does, with the fast encode.
+                ids = self._encode(render(messages, add_generation_prompt=add_generation_prompt), False)
+            else:
+                ids = self.inner.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            self._store(key, size, ids)
+        return ids
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self._backend is None:
+            return self.inner.encode(text, add_special_tokens=add_special_tokens)
+        return list(self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    def _lookup(self, key: tuple[int, str | bytes], size: int) -> list[int] | None:
+        if self.cache_entries == 0 or size > self.cache_max_chars:
+            return None
+        with self._lock:
+            ids = self._cache.get(key)
+            if ids is None:
+                self.num_misses += 1
+                return None
+            self._cache.move_to_end(key)
+            self.num_hits += 1
+            return ids
+
+    def _store(self, key: tuple[int, str | bytes], size: int, ids: list[int]) -> None:
+        if self.cache_entries == 0 or size > self.cache_max_chars:
+            return
+        with self._lock:
+            self._cache[key] = ids
+            while len(self._cache) > self.cache_entries:
+                self._cache.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
