@@ -34,7 +34,15 @@ from typing import Literal
 
 import aiohttp
 
-from kvmesh.fleet.process import FleetError, ManagedProcess, free_ports, http_probe, tcp_probe, wait_until
+from kvmesh.fleet.process import (
+    FleetError,
+    ManagedProcess,
+    all_healthy_probe,
+    free_ports,
+    http_probe,
+    tcp_probe,
+    wait_until,
+)
 
 SharedTier = Literal["dir", "redis", "valkey", "none"]
 HOST = "127.0.0.1"
@@ -395,9 +403,9 @@ class Fleet:
         proc.start()
         self.router = proc
         url = f"http://{HOST}:{port}"
-        await wait_until(
-            proc, http_probe(self._http(), url + "/health"), self.config.health_timeout_s, "/health"
-        )
+        # the router answers 200 once one engine is healthy; wait until it sees all of them
+        probe = all_healthy_probe(self._http(), url + "/health")
+        await wait_until(proc, probe, self.config.health_timeout_s, "/health: every endpoint healthy")
         self.router_url = url
         self.router_policy = policy
 

@@ -175,6 +175,25 @@ def http_probe(session: aiohttp.ClientSession, url: str) -> Callable[[], Awaitab
     return probe
 
 
+def all_healthy_probe(session: aiohttp.ClientSession, url: str) -> Callable[[], Awaitable[bool]]:
+    """A probe that is True when ``GET url`` answers 200 and, where the body counts endpoints
+    (``{"endpoints": n, "healthy": h}``, the router's /health), every endpoint is healthy."""
+
+    async def probe() -> bool:
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                if resp.status != 200:
+                    return False
+                body = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return False
+        if isinstance(body, dict) and isinstance(body.get("endpoints"), int):
+            return body.get("healthy") == body["endpoints"]
+        return True
+
+    return probe
+
+
 def tcp_probe(host: str, port: int) -> Callable[[], Awaitable[bool]]:
     """A probe that is True when a TCP connection to ``host:port`` succeeds."""
 

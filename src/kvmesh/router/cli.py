@@ -10,21 +10,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
-import signal
-import subprocess
 import sys
 from typing import TYPE_CHECKING
 
 from kvmesh.errors import ConfigError, KVMeshError
 
 if TYPE_CHECKING:
-    from aiohttp import web
-
     from kvmesh.router.config import RouterConfig
-
-WORKER_CONFIG_ENV = "KVMESH_ROUTER_WORKER_CONFIG"
-"""Set in the environment of the extra ``--workers`` processes: their resolved config as JSON."""
 
 _POLICIES = ("precise", "approximate", "load", "random", "round-robin", "pd")
 
@@ -46,12 +38,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--admin-token", default=None, help="bearer token of /admin/* (or $KVMESH_ROUTER_ADMIN_TOKEN)"
     )
     p.add_argument(
-        "--workers",
-        type=int,
-        default=1,
-        help="gateway processes sharing the port (SO_REUSEPORT); each keeps its own index",
-    )
-    p.add_argument(
         "--loop",
         choices=("auto", "uvloop", "asyncio"),
         default="auto",
@@ -63,24 +49,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
-    import msgspec
     import yaml
     from aiohttp import web
 
-    from kvmesh.router.config import router_config_from_dict
     from kvmesh.router.gateway import Gateway, PromptTokenizer
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    worker_config = os.environ.pop(WORKER_CONFIG_ENV, None)
     try:
-        if args.workers < 1:
-            raise ConfigError(f"--workers must be >= 1, got {args.workers}")
-        if worker_config is not None:
-            config = router_config_from_dict(msgspec.json.decode(worker_config))
-        else:
-            config = _config_from_args(args)
+        config = _config_from_args(args)
         if not config.endpoints:
             print("kvmesh router: no endpoints (give --endpoints or endpoints: in --config)", file=sys.stderr)
             return 2
@@ -91,33 +69,14 @@ def _cmd_router(args: argparse.Namespace) -> int:
             tokenizer = Tokenizer.load(config.tokenizer)
         gateway = Gateway(config, tokenizer=tokenizer)
         loop = new_event_loop(args.loop)
-    except (KVMeshError, yaml.YAMLError, msgspec.DecodeError) as exc:
+    except (KVMeshError, yaml.YAMLError) as exc:
         print(f"kvmesh router: {exc}", file=sys.stderr)
         return 2
-    reuse_port = worker_config is not None or args.workers > 1
-    if worker_config is not None:
-        gateway.app.on_startup.append(_exit_with_parent)
-    else:
-        workers = _start_workers(args, config, args.workers - 1)
-
-        async def stop_workers(app: web.Application) -> None:
-            await _stop_workers(workers)
-
-        gateway.app.on_cleanup.append(stop_workers)
-        print(
-            f"kvmesh router on http://{config.host}:{config.port} → {len(config.endpoints)} endpoints"
-            + (f", {args.workers} workers" if args.workers > 1 else ""),
-            file=sys.stderr,
-        )
-    web.run_app(
-        gateway.app,
-        host=config.host,
-        port=config.port,
-        print=None,
-        access_log=None,
-        loop=loop,
-        reuse_port=reuse_port or None,
+    print(
+        f"kvmesh router on http://{config.host}:{config.port} → {len(config.endpoints)} endpoints",
+        file=sys.stderr,
     )
+    web.run_app(gateway.app, host=config.host, port=config.port, print=None, access_log=None, loop=loop)
     return 0
 
 
@@ -151,49 +110,10 @@ def _config_from_args(args: argparse.Namespace) -> RouterConfig:
         if value is not None:
             updates[field] = value
     if args.redis_index:
-        updates["index"] = msgspec.structs.replace(
-            config.index, backend="redis", redis_url=args.redis_index
-        )
+        updates["index"] = msgspec.structs.replace(config.index, backend="redis", redis_url=args.redis_index)
     config = msgspec.structs.replace(config, **updates)
     config.__post_init__()
     return config
-
-
-async def _exit_with_parent(app: web.Application) -> None:
-    """A worker ends when the process that started it is gone (it owns the workers' lifetime)."""
-    parent = os.getppid()
-
-    async def watch() -> None:
-        while os.getppid() == parent:
-            await asyncio.sleep(1.0)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    app["kvmesh_parent_watch"] = asyncio.get_running_loop().create_task(watch())
-
-
-def _start_workers(
-    args: argparse.Namespace, config: RouterConfig, n: int
-) -> list[subprocess.Popen[bytes]]:
-    """Start ``n`` more gateway processes on the same port, each with the resolved ``config``.
-
-    The config travels in the environment, not on disk or on the command line, because it may
-    hold the admin token.
-    """
-    import msgspec
-
-    env = dict(os.environ, **{WORKER_CONFIG_ENV: msgspec.json.encode(config).decode()})
-    cmd = [sys.executable, "-m", "kvmesh", "router", "--loop", args.loop, "--log-level", args.log_level]
-    return [subprocess.Popen(cmd, env=env) for _ in range(n)]
-
-
-async def _stop_workers(workers: list[subprocess.Popen[bytes]]) -> None:
-    for proc in workers:
-        proc.terminate()
-    for proc in workers:
-        try:
-            await asyncio.to_thread(proc.wait, 10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def new_event_loop(kind: str = "auto") -> asyncio.AbstractEventLoop:

@@ -96,6 +96,11 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     tokenizer_cache_entries: int = 4096
     """Exact prompts (and exact chat message lists) whose token ids are kept, least recently used
     leaving first; 0 disables the cache. See :mod:`kvmesh.router.tokenize`."""
+    tokenizer_prefix_reuse: bool = True
+    """Reuse the token ids of a long leading part shared with earlier prompts (a system prompt),
+    only for tokenizers where that provably equals a full tokenization (byte-level BPE); each
+    learnt prefix is also checked once against a full tokenization. See
+    :mod:`kvmesh.router.prefix_tokens`."""
     seed: int | None = None
     """Seeds the scheduler's random source (ties, random policies)."""
 

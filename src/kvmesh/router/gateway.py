@@ -27,7 +27,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -94,7 +94,11 @@ class Gateway:
     ) -> None:
         self.config = config
         self.tokenizer: PromptTokenizer | None = (
-            CachedTokenizer(tokenizer, cache_entries=config.tokenizer_cache_entries)
+            CachedTokenizer(
+                tokenizer,
+                cache_entries=config.tokenizer_cache_entries,
+                prefix_reuse=config.tokenizer_prefix_reuse,
+            )
             if tokenizer is not None and not isinstance(tokenizer, CachedTokenizer)
             else tokenizer
         )

@@ -20,7 +20,7 @@ import collections
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NewType, Protocol
 
@@ -135,6 +135,14 @@ class InMemoryIndex:
 
     def add(self, keys: Sequence[BlockKey], pod: PodId, media: MediumSet) -> None:
         blocks = self._blocks
+        if blocks.keys().isdisjoint(keys):
+            # The common case (freshly stored blocks): one new holder map per key, built in C.
+            before = len(blocks)
+            blocks.update(zip(keys, map(dict, itertools.repeat(((pod, media),), len(keys)))))
+            self._num_entries += len(blocks) - before
+            if len(blocks) > self.capacity:
+                self._evict(len(blocks) - self.capacity)
+            return
         move = blocks.move_to_end
         added = 0
         for key in keys:
@@ -183,7 +191,8 @@ class InMemoryIndex:
         # C-level iteration (a long cached prompt is hundreds of keys): take holders up to the
         # first unknown key, then touch exactly the matched keys, replayed from the tee buffer.
         probe, touch = itertools.tee(keys)
-        out: list[Holders] = list(itertools.takewhile(bool, map(self._blocks.get, probe)))
+        get: Callable[[BlockKey], Holders | None] = self._blocks.get
+        out: list[Holders] = list(itertools.takewhile(bool, map(get, probe)))  # type: ignore[arg-type]
         if out:
             collections.deque(map(self._blocks.move_to_end, itertools.islice(touch, len(out))), maxlen=0)
         return out

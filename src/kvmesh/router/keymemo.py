@@ -17,6 +17,8 @@ Written from the event loop only; ``get`` from a worker thread is safe (single d
 from __future__ import annotations
 
 import contextlib
+import itertools
+import operator
 import struct
 from collections.abc import Sequence
 
@@ -81,12 +83,14 @@ class BlockKeyMemo:
             return
         memo = self._keys
         stride = len(raw) // len(keys)
-        prev = parent
-        off = 0
-        for key in keys:
-            memo[prev + raw[off : off + stride]] = key
-            prev = key
-            off += stride
+        whole = stride * len(keys)
+        blocks = raw if whole == len(raw) else memoryview(raw)[:whole]
+        parents = itertools.chain((parent,), keys)
+        # probe_i = key_{i-1} || block_i, concatenated and stored in C.
+        probes = map(
+            bytes.__add__, parents, map(operator.itemgetter(0), struct.iter_unpack(f"{stride}s", blocks))
+        )
+        memo.update(zip(probes, keys))
         excess = len(memo) - self.capacity
         if excess > 0:
             self._evict(excess)

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from kvmesh.core.hashing import BlockHasher
-from kvmesh.core.types import BlockKey, Medium, PodId
+from kvmesh.core.types import BlockKey, Medium
 from kvmesh.router.index import BlockIndex, MediumSet, best_medium
 from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.types import PodMatch, PrefixMatch
@@ -81,7 +81,9 @@ def _iter_key_groups(
         if seg_start >= seg_end:
             break
         # The tail is a view of the whole prompt converted once (a list slice would copy it first).
-        arr = as_token_array(tokens[:seg_end]) if seg_start == 0 else as_token_array(tokens)[seg_start:seg_end]
+        arr = (
+            as_token_array(tokens[:seg_end]) if seg_start == 0 else as_token_array(tokens)[seg_start:seg_end]
+        )
         n = seg_end - seg_start
         off = 0
         if walking:
@@ -145,7 +147,9 @@ def match_prefix_keys(
     pods = result.pods
     for pod in holders_chain[0]:
         # MediumSet values are never 0 (an emptied entry is deleted), so bool stops at the gap.
-        masks = list(itertools.takewhile(bool, map(dict.get, holders_chain, itertools.repeat(pod))))
+        masks: list[MediumSet] = list(
+            itertools.takewhile(bool, map(dict.get, holders_chain, itertools.repeat(pod)))  # type: ignore[arg-type]
+        )
         match = PodMatch()
         # Usually every block sits in the same tiers: one count instead of a Counter.
         first = masks[0]

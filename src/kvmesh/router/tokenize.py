@@ -5,12 +5,12 @@ The gateway must hash exactly the ids the engine will cache, so nothing here app
 - ``encode`` goes to the fast tokenizer's ``encode_batch_fast`` (ids only, no offsets), which
   returns the ids :meth:`kvmesh.core.tokens.Tokenizer.encode` returns, about 20% cheaper; a
   tokenizer without a fast backend is called as is.
+- prompts that share a long leading part with earlier ones reuse that part's ids where the
+  tokenizer provably composes (:mod:`kvmesh.router.prefix_tokens`);
 - a bounded LRU maps *exact* inputs to their ids: the whole prompt string (with the
   special-tokens flag), or a chat's whole message list serialized to JSON (which also skips
   rendering the template). Tokenization is a pure function of these inputs, so a hit returns
-  what a fresh call would; a prompt that differs by one character is a different key. Shared
-  prefixes alone are never reused, because BPE merges can cross the point where two prompts
-  diverge.
+  what a fresh call would; a prompt that differs by one character is a different key.
 
 Callers get the cached list itself and must not mutate it.
 """
@@ -22,6 +22,8 @@ from collections import OrderedDict
 from typing import Any, Protocol
 
 import msgspec
+
+from kvmesh.router.prefix_tokens import PrefixReuse
 
 DEFAULT_CACHE_ENTRIES = 4096
 DEFAULT_CACHE_MAX_CHARS = 32_768
@@ -45,6 +47,7 @@ class CachedTokenizer:
         tokenizer: the model's tokenizer.
         cache_entries: most cached inputs (0 disables the cache).
         cache_max_chars: inputs longer than this are not cached.
+        prefix_reuse: reuse shared leading parts' ids where the tokenizer allows it.
     """
 
     def __init__(
@@ -53,11 +56,19 @@ class CachedTokenizer:
         *,
         cache_entries: int = DEFAULT_CACHE_ENTRIES,
         cache_max_chars: int = DEFAULT_CACHE_MAX_CHARS,
+        prefix_reuse: bool = True,
     ) -> None:
         if cache_entries < 0 or cache_max_chars < 0:
-            raise ValueError(f"cache sizes must be >= 0, got {cache_entries} entries, {cache_max_chars} chars")
+            raise ValueError(
+                f"cache sizes must be >= 0, got {cache_entries} entries, {cache_max_chars} chars"
+            )
         self.inner = tokenizer
         self._backend = getattr(tokenizer, "fast_backend", None)
+        self.prefixes: PrefixReuse | None = (
+            PrefixReuse(self._backend)
+            if prefix_reuse and self._backend is not None and PrefixReuse.supports(self._backend)
+            else None
+        )
         self._cache: OrderedDict[tuple[int, str | bytes], list[int]] = OrderedDict()
         self._lock = threading.Lock()
         self.cache_entries = cache_entries
@@ -96,6 +107,8 @@ class CachedTokenizer:
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if self._backend is None:
             return self.inner.encode(text, add_special_tokens=add_special_tokens)
+        if self.prefixes is not None:
+            return self.prefixes.encode(text, add_special_tokens)
         return list(self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def _lookup(self, key: tuple[int, str | bytes], size: int) -> list[int] | None:
@@ -120,4 +133,3 @@ class CachedTokenizer:
 
     def __len__(self) -> int:
         return len(self._cache)
-

@@ -1,0 +1,167 @@
+"""Reuse of a shared prompt prefix's token ids, where the tokenizer provably allows it.
+
+Prompts that differ only after a long shared part (a system prompt, few-shot examples) spend
+most of their tokenization on that part. For byte-level BPE tokenizers of the GPT-2 family the
+ids of ``A + B`` are ``ids(A) + ids(B)`` when the cut between ``A`` and ``B`` is a pre-token
+boundary, because
+
+* added (special) tokens are split out first; none contains whitespace or strips its
+  neighbours, so none can span a cut that has a space on its right;
+* the pre-tokenizer regex (``'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|
+  \\s+(?!\\S)|\\s+``) looks only rightwards and every alternative that can hold a non-space
+  character holds no whitespace after its first character: with a printable non-space ASCII
+  character before the cut and a plain space after it, no match crosses the cut, the matches in
+  ``A`` do not look past it, and matching restarts at the cut exactly as in ``B`` alone;
+* BPE merges act within one pre-token, and the post-processor only puts special tokens in front.
+
+:meth:`PrefixReuse.supports` checks those properties on the tokenizer's own description and
+enables nothing otherwise. On top of the argument, every prefix is checked once before it is
+kept: the prompt that produced it is tokenized in full and must equal the composed ids.
+
+Prefixes are learnt from pairs of prompts that share their first ``key_chars`` characters: the
+longest common part, cut back to the last valid boundary, becomes a prefix when it is at least
+``min_chars`` long. Memory is bounded by ``max_keys`` groups of a few prefixes each.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+_MAX_PER_KEY = 4
+
+
+def _valid_cut(text: str, cut: int) -> bool:
+    return 0 < cut < len(text) and text[cut] == " " and "!" <= text[cut - 1] <= "~"
+
+
+def _common_length(a: str, b: str) -> int:
+    """Length of the common prefix of ``a`` and ``b`` (binary search on C-level compares)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class PrefixReuse:
+    """Tokenizes a prompt as (known prefix ids) + (ids of the rest), learning prefixes as it goes.
+
+    Args:
+        backend: a ``tokenizers.Tokenizer`` for which :meth:`supports` is true.
+        key_chars: prompts are grouped by this many leading characters.
+        min_chars: shortest prefix worth keeping.
+        max_keys: most groups kept, least recently used leaving first.
+    """
+
+    def __init__(
+        self, backend: Any, *, key_chars: int = 64, min_chars: int = 256, max_keys: int = 256
+    ) -> None:
+        if not 0 < key_chars <= min_chars:
+            raise ValueError(f"need 0 < key_chars <= min_chars, got {key_chars}, {min_chars}")
+        self._backend = backend
+        self.key_chars = key_chars
+        self.min_chars = min_chars
+        self.max_keys = max_keys
+        # (special, first key_chars) -> (prefixes: [(text, ids)], recent prompts)
+        self._groups: OrderedDict[tuple[bool, str], tuple[list[tuple[str, list[int]]], list[str]]] = (
+            OrderedDict()
+        )
+        self._lock = threading.Lock()
+        self.num_reused = 0
+        self.num_learnt = 0
+        self.num_rejected = 0
+
+    @staticmethod
+    def supports(backend: Any) -> bool:
+        """Whether ``backend`` has the properties the composition argument needs."""
+        try:
+            spec = json.loads(backend.to_str())
+        except (AttributeError, TypeError, ValueError):
+            return False
+        pre = spec.get("pre_tokenizer") or {}
+        post = spec.get("post_processor")
+        model = spec.get("model") or {}
+        if spec.get("normalizer") is not None or model.get("type") != "BPE" or model.get("dropout"):
+            return False
+        if pre.get("type") != "ByteLevel" or pre.get("add_prefix_space") or not pre.get("use_regex", True):
+            return False
+        if post is not None and post.get("type") not in ("ByteLevel", "TemplateProcessing"):
+            return False
+        if post is not None and post.get("type") == "TemplateProcessing":
+            single = post.get("single") or []
+            if not single or "Sequence" not in single[-1]:
+                return False  # special tokens after the text
+        for added in spec.get("added_tokens") or []:
+            content = added.get("content", " ")
+            if added.get("lstrip") or added.get("rstrip") or any(c.isspace() for c in content):
+                return False
+        return True
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The ids of ``text``, equal to a full ``encode`` of it."""
+        if len(text) <= self.min_chars:
+            return self._full(text, add_special_tokens)
+        key = (add_special_tokens, text[: self.key_chars])
+        with self._lock:
+            group = self._groups.get(key)
+            if group is not None:
+                self._groups.move_to_end(key)
+                prefixes, recent = group[0][:], group[1][:]
+            else:
+                prefixes, recent = [], []
+        best: tuple[str, list[int]] | None = None
+        for prefix, ids in prefixes:
+            if (
+                len(prefix) < len(text)
+                and text[len(prefix)] == " "  # the cut must be valid in this prompt too
+                and text.startswith(prefix)
+                and (best is None or len(prefix) > len(best[0]))
+            ):
+                best = (prefix, ids)
+        if best is not None:
+            self.num_reused += 1
+            return best[1] + self._full(text[len(best[0]) :], False)
+        ids = self._full(text, add_special_tokens)
+        self._maybe_learn(key, text, ids, recent)
+        return ids
+
+    def _full(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    def _maybe_learn(self, key: tuple[bool, str], text: str, ids: list[int], recent: list[str]) -> None:
+        learnt: tuple[str, list[int]] | None = None
+        for other in recent:
+            cut = _common_length(text, other)
+            while cut >= self.min_chars and not _valid_cut(text, cut):
+                cut = text.rfind(" ", 0, cut)
+            if cut < self.min_chars:
+                continue
+            prefix = text[:cut]
+            prefix_ids = self._full(prefix, key[0])
+            # The one full check: this prompt's own ids must equal the composition.
+            if prefix_ids + self._full(text[cut:], False) != ids:
+                self.num_rejected += 1
+                continue
+            learnt = (prefix, prefix_ids)
+            self.num_learnt += 1
+            break
+        with self._lock:
+            group = self._groups.get(key)
+            if group is None:
+                group = self._groups[key] = ([], [])
+                while len(self._groups) > self.max_keys:
+                    self._groups.popitem(last=False)
+            prefixes, recent_list = group
+            if learnt is not None:
+                if all(p != learnt[0] for p, _ in prefixes):
+                    prefixes.append(learnt)
+                    del prefixes[:-_MAX_PER_KEY]
+            else:
+                recent_list.append(text)
+                del recent_list[:-_MAX_PER_KEY]
