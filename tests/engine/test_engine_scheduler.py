@@ -121,6 +121,8 @@ async def test_decode_out_of_blocks_preempts_and_recomputes() -> None:
     recompute = [p for p, _ in runner.plans if p and p[0][0] == "b" and p[0][2] > 40]
     assert recompute, "the preempted request must recompute its prompt and generated tokens"
     assert core.cache.num_used_blocks == 0
+    # Both prompts were cold; finding its own blocks again after preemption is not a prefix hit.
+    assert (a.num_reported_cached_tokens, b.num_reported_cached_tokens) == (0, 0)
 
 
 async def test_abort_running_request_frees_slot_and_blocks(eventually) -> None:

@@ -114,6 +114,9 @@ class EngineRequest:
         """KV of the cached prefix for the first chunk when it came from the store."""
         self.num_cached_tokens = 0
         self.cached_tier: str | None = None
+        self.num_reported_cached_tokens: int | None = None
+        """Prompt tokens found cached at the first admission: what ``usage`` reports, as vLLM does.
+        A preempted request re-admitted later finds its own blocks cached; that is not a hit."""
         self.num_output_tokens = 0
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -401,7 +404,7 @@ class EngineCore:
         bs = self.cache.block_size
         cacheable = self._cacheable_blocks(req)
         num_local = self.cache.match(req.keys[:cacheable])
-        first_time = req.num_output_tokens == 0
+        first_time = req.num_reported_cached_tokens is None
         num_loaded = req.loaded.num_tokens // bs if req.loaded is not None and first_time else 0
         num_cached = max(num_local, num_loaded)
         total_blocks = -(-len(req.seq.token_ids) // bs)
@@ -425,6 +428,7 @@ class EngineCore:
         req.num_cached_tokens = num_cached * bs
         req.cached_tier = tier if num_cached else None
         if first_time:
+            req.num_reported_cached_tokens = req.num_cached_tokens
             self.stats.num_prefix_query_tokens += req.num_prompt_tokens
             self.stats.num_prefix_hit_tokens += num_local * bs
             self.stats.num_prompt_tokens += req.num_prompt_tokens

@@ -348,13 +348,13 @@ class EngineServer:
         if req.role is Role.BOTH:
             return None
         return {"role": req.role.value, "num_prompt_tokens": req.num_prompt_tokens,
-                "num_cached_tokens": req.num_cached_tokens, "cached_tier": req.cached_tier}  # fmt: skip
+                "num_cached_tokens": req.num_reported_cached_tokens or 0, "cached_tier": req.cached_tier}  # fmt: skip
 
     @staticmethod
     def _usage(choices: list[_Choice]) -> dict[str, Any]:
         prompt = sum(c.req.num_prompt_tokens for c in choices)
         completion = sum(c.req.num_output_tokens for c in choices)
-        cached = sum(c.req.num_cached_tokens for c in choices)
+        cached = sum(c.req.num_reported_cached_tokens or 0 for c in choices)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,

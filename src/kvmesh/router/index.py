@@ -138,7 +138,7 @@ class InMemoryIndex:
         if blocks.keys().isdisjoint(keys):
             # The common case (freshly stored blocks): one new holder map per key, built in C.
             before = len(blocks)
-            blocks.update(zip(keys, map(dict, itertools.repeat(((pod, media),), len(keys)))))
+            blocks.update(zip(keys, map(dict, itertools.repeat(((pod, media),), len(keys))), strict=True))
             self._num_entries += len(blocks) - before
             if len(blocks) > self.capacity:
                 self._evict(len(blocks) - self.capacity)

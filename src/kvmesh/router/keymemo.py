@@ -90,7 +90,7 @@ class BlockKeyMemo:
         probes = map(
             bytes.__add__, parents, map(operator.itemgetter(0), struct.iter_unpack(f"{stride}s", blocks))
         )
-        memo.update(zip(probes, keys))
+        memo.update(zip(probes, keys, strict=True))
         excess = len(memo) - self.capacity
         if excess > 0:
             self._evict(excess)
