@@ -289,6 +289,7 @@ def test_prefix_reuse_learns_shared_system_prompts(smollm2):
     for prompt in prompts:
         assert tok.encode(prompt) == smollm2.encode(prompt)
     assert tok.prefixes.num_learnt == 1
+    assert tok.stats()["prefixes_reused"] == len(prompts) - 2 and tok.stats()["prefixes_rejected"] == 0
     assert tok.prefixes.num_reused == len(prompts) - 2  # the first two prompts teach the prefix
     # a prompt continuing the prefix without a space at the cut is tokenized in full
     glued = system + "X" + prompts[0][len(system) :]

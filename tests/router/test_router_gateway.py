@@ -231,6 +231,7 @@ async def test_admin_api(engines):
         await wait_for(lambda: gw.applier.num_blocks(holder) == 10)  # type: ignore[union-attr, arg-type]
         stats = await (await client.get("/admin/index", headers=auth)).json()
         assert stats["index"]["num_keys"] == 10 and stats["ingest"]["num_blocks_stored"] == 10
+        assert stats["tokenizer"]["prefix_reuse"] is False  # the byte tokenizer has no fast backend
         flushed = await (await client.post("/admin/flush", json={"pod": holder}, headers=auth)).json()
         assert flushed == {"flushed": 10}
         assert (await client.post("/admin/flush", json={"tenant": 5}, headers=auth)).status == 400

@@ -3,7 +3,7 @@
 import itertools
 
 import pytest
-from conftest import ListWorkload, spec, tokens
+from sim_helpers import ListWorkload, spec, tokens
 
 from kvmesh.bench.workloads import MultiTurnWorkload, SharedPrefixWorkload, Stage
 from kvmesh.engine.cost_model import CostModel, get_preset

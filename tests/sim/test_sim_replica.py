@@ -1,7 +1,7 @@
 """One replica against the engine's cost model: exact step times, cache hits, KV pressure."""
 
 import pytest
-from conftest import ListWorkload, spec, tokens
+from sim_helpers import ListWorkload, spec, tokens
 
 from kvmesh.engine.cost_model import CostModel, get_preset
 from kvmesh.sim.fleet import FleetConfig, simulate

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import ListWorkload, spec, tokens
+from sim_helpers import ListWorkload, spec, tokens
 
 from kvmesh.bench.metrics import Dist
 from kvmesh.sim.fleet import FleetConfig, simulate

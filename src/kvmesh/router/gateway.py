@@ -679,4 +679,6 @@ class Gateway:
             body["model"] = self.applier.model
         if self.intake is not None:
             body["subscriber"] = asdict(self.intake.subscriber.stats)
+        if isinstance(self.tokenizer, CachedTokenizer):
+            body["tokenizer"] = self.tokenizer.stats()
         return web.Response(body=msgspec.json.encode(body), content_type="application/json")

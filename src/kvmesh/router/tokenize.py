@@ -133,3 +133,16 @@ class CachedTokenizer:
 
     def __len__(self) -> int:
         return len(self._cache)
+
+    def stats(self) -> dict[str, int | bool]:
+        """Counters for ``GET /admin/index``: exact-cache use and shared-prefix reuse."""
+        reuse = self.prefixes
+        return {
+            "cache_entries": len(self._cache),
+            "cache_hits": self.num_hits,
+            "cache_misses": self.num_misses,
+            "prefix_reuse": reuse is not None,
+            "prefixes_learnt": reuse.num_learnt if reuse is not None else 0,
+            "prefixes_reused": reuse.num_reused if reuse is not None else 0,
+            "prefixes_rejected": reuse.num_rejected if reuse is not None else 0,
+        }
