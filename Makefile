@@ -5,13 +5,16 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.kvmesh-installed
 
-.PHONY: demo demo-quick test lint typecheck unit bench install system-deps clean
+.PHONY: demo demo-quick test lint typecheck unit bench install peers system-deps clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml scripts/install.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/install.sh
 	touch $(STAMP)
+
+peers:
+	PYTHON=$(PYTHON) bash scripts/install-peers.sh
 
 system-deps:
 	bash scripts/system-deps.sh
@@ -32,10 +35,10 @@ typecheck: install
 unit: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-test: install lint typecheck unit
+test: install peers lint typecheck unit
 
 bench: install
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.run_all
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-aiperf build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
