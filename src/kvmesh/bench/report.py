@@ -193,6 +193,13 @@ def plot_stage_curves(
     return path
 
 
+def describe_ratio(ratio: float, what: str, better: str, worse: str) -> str:
+    """``"p90 TTFT 3.1x lower"`` for ratio 3.1, ``"p90 TTFT 1.3x higher"`` for ratio 0.77."""
+    if ratio >= 1 or ratio == 0:
+        return f"{what} {ratio:.1f}x {better}"
+    return f"{what} {1 / ratio:.1f}x {worse}"
+
+
 def ratio_lines(runs: Mapping[str, RunResult], best: str, baselines: Sequence[str]) -> list[str]:
     """Sentences comparing ``best`` with each baseline on p90 TTFT and output throughput."""
     out: list[str] = []
@@ -205,5 +212,7 @@ def ratio_lines(runs: Mapping[str, RunResult], best: str, baselines: Sequence[st
         o = runs[name].summary
         ttft = o.ttft.p90 / b.ttft.p90 if b.ttft.p90 else float("inf")
         thr = b.output_throughput / o.output_throughput if o.output_throughput else float("inf")
-        out.append(f"{best} vs {name}: p90 TTFT {ttft:.1f}x lower, output throughput {thr:.2f}x")
+        out.append(
+            f"{best} vs {name}: {describe_ratio(ttft, 'p90 TTFT', 'lower', 'higher')}, output throughput {thr:.2f}x"
+        )
     return out

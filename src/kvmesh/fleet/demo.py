@@ -22,7 +22,14 @@ from rich.table import Table
 
 from kvmesh.bench.compare import compare_policies, run_on_fleet
 from kvmesh.bench.presets import llmd_73_scaled
-from kvmesh.bench.report import compare_table, plot_stage_curves, plot_ttft_cdf, ratio_lines, write_json
+from kvmesh.bench.report import (
+    compare_table,
+    describe_ratio,
+    plot_stage_curves,
+    plot_ttft_cdf,
+    ratio_lines,
+    write_json,
+)
 from kvmesh.bench.runner import RunOptions, RunResult
 from kvmesh.bench.workloads import SharedPrefixWorkload
 from kvmesh.fleet.launcher import Fleet, FleetConfig, SharedTier
@@ -116,6 +123,7 @@ def explain_real(base: RunResult, best: RunResult, num_replicas: int) -> str:
     """One paragraph on what the real-model numbers mean."""
     b, k = base.summary, best.summary
     ttft = b.ttft.p90 / k.ttft.p90 if k.ttft.p90 else float("inf")
+    ttft50 = b.ttft.median / k.ttft.median if k.ttft.median else float("inf")
     thr = k.request_throughput / b.request_throughput if b.request_throughput else float("inf")
     ideal = k.reusable_tokens / k.prompt_tokens if k.prompt_tokens else 0.0
     return (
@@ -124,7 +132,8 @@ def explain_real(base: RunResult, best: RunResult, num_replicas: int) -> str:
         f"kept evicting and recomputing what another had already computed: it served {b.reusable_hit_rate:.0%} "
         f"of the reusable tokens (1/{num_replicas} = {1 / num_replicas:.0%}). Precise routing sent each prompt to the replica whose KV events showed its "
         f"prefix, and the shared directory let any replica load chunks another had written: {k.reusable_hit_rate:.0%} "
-        f"of the reusable tokens came from cache, p90 TTFT fell {ttft:.1f}x and throughput rose {thr:.2f}x."
+        f"of the reusable tokens came from cache; {describe_ratio(ttft50, 'median TTFT', 'lower', 'higher')}, "
+        f"{describe_ratio(ttft, 'p90 TTFT', 'lower', 'higher')}, throughput {thr:.2f}x."
     )
 
 
