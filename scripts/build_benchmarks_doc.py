@@ -35,7 +35,8 @@ def shifted(text: str) -> str:
         elif not in_code and (m := HEADING.match(line)):
             line = "#" * (len(m.group(1)) + shift) + m.group(2)
         out.append(line)
-    return "\n".join(out)
+    # Links in docs/benchmarks/*.md are relative to that folder; this document sits one level up.
+    return "\n".join(out).replace("](../", "](")
 
 
 def main() -> None:
