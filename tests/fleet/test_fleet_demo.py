@@ -39,5 +39,10 @@ def test_explanation_states_the_measured_ratios():
     text = explain_real(_run("rr", 20, 2.0), _run("precise", 76, 0.5), 4)
     assert "25% of the reusable tokens (1/4 = 25%)" in text
     assert "95% of the reusable tokens came from cache" in text
-    assert "p90 TTFT fell 4.0x" in text
+    assert "p90 TTFT 4.0x lower" in text
     assert "80% of the prompt tokens" in text
+
+
+def test_explanation_says_higher_when_ttft_got_worse():
+    text = explain_real(_run("rr", 20, 0.5), _run("precise", 76, 2.0), 4)
+    assert "p90 TTFT 4.0x higher" in text and "median TTFT 4.0x higher" in text

@@ -319,12 +319,10 @@ class SharedPrefixWorkload:
             g, q, tokens, sys_len, out_len, messages = prompts[i % len(prompts)]
             if (g, q) in seen_prompts:
                 reusable = len(tokens)
-            elif g in seen_groups:
-                reusable = sys_len
             else:
-                reusable = 0
-            seen_groups.add(g)
-            seen_prompts.add((g, q))
+                reusable = sys_len if g in seen_groups else 0
+                seen_groups.add(g)
+                seen_prompts.add((g, q))
             yield RequestSpec(
                 request_id=f"{self.name}-{i}",
                 arrival_s=t,

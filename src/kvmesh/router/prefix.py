@@ -150,11 +150,14 @@ def match_prefix_keys(
         masks: list[MediumSet] = list(
             itertools.takewhile(bool, map(dict.get, holders_chain, itertools.repeat(pod)))  # type: ignore[arg-type]
         )
-        match = PodMatch()
         # Usually every block sits in the same tiers: one count instead of a Counter.
         first = masks[0]
-        counts = {first: len(masks)} if masks.count(first) == len(masks) else collections.Counter(masks)
-        for mask, n in counts.items():
+        total = len(masks)
+        if masks.count(first) == total:
+            pods[pod] = PodMatch(total, {best_medium(first): total})
+            continue
+        match = PodMatch()
+        for mask, n in collections.Counter(masks).items():
             tier = best_medium(MediumSet(mask))
             match.num_blocks += n
             match.blocks_by_tier[tier] = match.blocks_by_tier.get(tier, 0) + n
@@ -164,4 +167,8 @@ def match_prefix_keys(
 
 def weighted_blocks(match: PodMatch, tier_weights: Mapping[Medium, float] = DEFAULT_TIER_WEIGHTS) -> float:
     """Matched blocks, each counted at its tier's weight."""
+    by_tier = match.blocks_by_tier
+    if len(by_tier) == 1:  # the usual case; the same value sum() gives (0 + x == x)
+        for tier, n in by_tier.items():
+            return 0 + n * tier_weights.get(tier, 0.0)
     return sum(n * tier_weights.get(tier, 0.0) for tier, n in match.blocks_by_tier.items())

@@ -243,21 +243,27 @@ class Scheduler:
             candidates = flt.filter(request, candidates)
             if not candidates:
                 return None
-        totals = [0.0] * len(candidates)
+        n = len(candidates)
+        totals = [0.0] * n
         weight_sum = 0.0
         clock = self.clock
+        on_timing = self.on_timing
         for ws in profile.scorers:
-            start = clock() if clock is not None else 0.0
-            scores = ws.scorer.score(request, candidates)
-            if clock is not None and self.on_timing is not None:
-                self.on_timing(ws.name, clock() - start)
-            assert len(scores) == len(candidates), (
-                f"scorer {ws.name!r} returned {len(scores)} scores for {len(candidates)} endpoints"
-            )
+            if clock is None:
+                scores = ws.scorer.score(request, candidates)
+            else:
+                start = clock()
+                scores = ws.scorer.score(request, candidates)
+                if on_timing is not None:
+                    on_timing(ws.name, clock() - start)
+            assert len(scores) == n, f"scorer {ws.name!r} returned {len(scores)} scores for {n} endpoints"
             w = ws.weight
             weight_sum += w
-            for i, s in enumerate(scores):
-                totals[i] += w * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
+            # Same float operations, in the same order, as one clamp-and-add per element.
+            totals = [
+                t + w * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
+                for t, s in zip(totals, scores, strict=True)
+            ]
         if weight_sum > 0:
             totals = [t / weight_sum for t in totals]
         picker = profile.picker if profile.picker is not None else self._default_picker

@@ -119,6 +119,7 @@ class SimRouter:
         self.metrics_interval_s = metrics_interval_s
         self._states = [EndpointState(r.pod) for r in self.replicas]
         self._in_flight = [0] * len(self.replicas)
+        """Requests routed and not done, per replica (mirrored in each state's ``in_flight``)."""
         self._scraped_at = -1.0
         self.num_routed = 0
         self.num_unroutable = 0
@@ -141,17 +142,16 @@ class SimRouter:
         if now - self._scraped_at >= self.metrics_interval_s:
             self._scrape(now)
         states = self._states
-        for state, n in zip(states, self._in_flight, strict=True):
-            state.in_flight = n
         prefix = match_prefix_keys(self.index, req.keys, len(req.keys), self.block_size)
         decision = self.scheduler.pick(
-            RoutingRequest(req.request_id, req.tokens, self.namespace, prefix=prefix), list(states)
+            RoutingRequest(req.request_id, req.tokens, self.namespace, prefix=prefix), states
         )
         if decision is None:
             self.num_unroutable += 1
             return None
         replica = self._by_pod[decision.endpoint]
         self._in_flight[replica.index] += 1
+        states[replica.index].in_flight += 1
         self.num_routed += 1
         return replica
 
@@ -159,3 +159,4 @@ class SimRouter:
         """The router saw ``req``'s response end."""
         if req.replica >= 0:
             self._in_flight[req.replica] -= 1
+            self._states[req.replica].in_flight -= 1

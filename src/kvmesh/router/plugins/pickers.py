@@ -17,8 +17,9 @@ class MaxScorePicker:
     rng: random.Random
 
     def pick(self, endpoints: list[EndpointState], scores: list[float]) -> list[PodId]:
-        tiebreak = [self.rng.random() for _ in endpoints]
-        order = sorted(range(len(endpoints)), key=lambda i: (-scores[i], tiebreak[i]))
+        rand = self.rng.random
+        keys = [(-s, rand()) for s in scores]
+        order = sorted(range(len(endpoints)), key=keys.__getitem__)
         return [endpoints[i].pod for i in order]
 
 

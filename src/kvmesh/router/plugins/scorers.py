@@ -52,11 +52,12 @@ class PrecisePrefixScorer:
         if prefix is None or prefix.num_blocks == 0 or not prefix.pods:
             return [0.0] * len(endpoints)
         total = prefix.num_blocks
-        out = []
-        for e in endpoints:
-            match = prefix.pods.get(e.pod)
-            out.append(0.0 if match is None else weighted_blocks(match, self.tier_weights) / total)
-        return out
+        pods = prefix.pods
+        weights = self.tier_weights
+        return [
+            0.0 if (match := pods.get(e.pod)) is None else weighted_blocks(match, weights) / total
+            for e in endpoints
+        ]
 
 
 @dataclass(slots=True)
