@@ -32,6 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 import msgspec
 import numpy as np
@@ -203,22 +204,22 @@ async def _bench_tier(
     return rows
 
 
-class _Baseline:
-    name_put = ""
-    name_get = ""
+class _Baseline(Protocol):
+    """The raw operation a tier is measured against, on the same bytes."""
 
-    async def put(self, values: list[bytes]) -> None:
-        raise NotImplementedError
+    name_put: str
+    name_get: str
+
+    async def put(self, values: list[bytes]) -> None: ...
 
     async def get(self, n: int) -> object:
         """Read back ``n`` values and return them (freed after the timer stops, as tier reads are)."""
-        raise NotImplementedError
+        ...
 
-    async def clear(self) -> None:
-        return None
+    async def clear(self) -> None: ...
 
 
-class _MemcpyBaseline(_Baseline):
+class _MemcpyBaseline:
     name_put = name_get = "memcpy"
 
     def __init__(self, values: list[bytes]) -> None:
@@ -235,8 +236,11 @@ class _MemcpyBaseline(_Baseline):
             np.copyto(out, held)
         return self._out
 
+    async def clear(self) -> None:
+        return None
 
-class _FileBaseline(_Baseline):
+
+class _FileBaseline:
     name_put = "file write"
     name_get = "file read"
 
@@ -267,7 +271,7 @@ class _FileBaseline(_Baseline):
             path.unlink()
 
 
-class _RedisBaseline(_Baseline):
+class _RedisBaseline:
     name_put = "redis-py pipelined SET"
     name_get = "redis-py pipelined GET"
 
