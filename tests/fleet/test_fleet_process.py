@@ -3,27 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import sys
 
 import pytest
+from fleet_helpers import pid_alive
 
 from kvmesh.fleet.launcher import Fleet, FleetConfig, valkey_server_binary
 from kvmesh.fleet.process import FleetError, ManagedProcess, free_ports, tcp_probe, wait_until
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie still answers kill(0); check its state
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 async def test_stop_kills_the_whole_process_group(tmp_path):
@@ -34,11 +21,11 @@ async def test_stop_kills_the_whole_process_group(tmp_path):
     proc.start()
     await wait_until(proc, _exists(pidfile), 10, "pid file")
     grandchild = int(pidfile.read_text())
-    assert _alive(grandchild)
+    assert pid_alive(grandchild)
     code = await proc.stop(grace_s=0.3)
     assert code is not None
     await asyncio.sleep(0.1)
-    assert not _alive(grandchild)
+    assert not pid_alive(grandchild)
     assert proc.log_path.read_text().startswith("$ sh -c")
 
 
@@ -110,7 +97,7 @@ async def test_shared_server_starts_flushes_and_stops(tmp_path, kind):
     finally:
         await fleet.aclose()
     assert not await tcp_probe("127.0.0.1", port)()
-    assert server_pid is not None and not _alive(server_pid)
+    assert server_pid is not None and not pid_alive(server_pid)
 
 
 async def test_shared_dir_reset_empties_the_directory(tmp_path):

@@ -11,20 +11,9 @@ import time
 import urllib.request
 
 import pytest
+from fleet_helpers import pid_alive
 
 pytestmark = pytest.mark.slow
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _post(url: str, body: dict) -> dict:
@@ -52,7 +41,7 @@ def test_up_serves_then_stops_everything_on_sigint(tmp_path):
             time.sleep(0.2)
         manifest = json.loads(manifest_path.read_text())
         pids = [e["pid"] for e in manifest["engines"]]
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        assert len(pids) == 2 and all(pid_alive(p) for p in pids)
         assert manifest["store_url"] == (run_dir / "shared").resolve().as_uri()
         with urllib.request.urlopen(manifest["router_url"] + "/v1/models", timeout=30) as resp:
             model = json.loads(resp.read())["data"][0]["id"]
@@ -67,7 +56,7 @@ def test_up_serves_then_stops_everything_on_sigint(tmp_path):
         code = proc.wait(timeout=60)
     assert code == 0, proc.stdout.read().decode() if proc.stdout else ""
     time.sleep(0.2)
-    assert not any(_alive(p) for p in pids)
+    assert not any(pid_alive(p) for p in pids)
 
 
 def test_up_reports_an_engine_that_cannot_start(tmp_path):
