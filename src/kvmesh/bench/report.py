@@ -153,6 +153,10 @@ def plot_ttft_cdf(runs: Mapping[str, RunResult], path: str | Path, *, title: str
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    return _save_figure(plt, fig, path)
+
+
+def _save_figure(plt: Any, fig: Any, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -186,11 +190,7 @@ def plot_stage_curves(
         ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_figure(plt, fig, path)
 
 
 def describe_ratio(ratio: float, what: str, better: str, worse: str) -> str:
