@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+from kvmesh.bench.metrics import Dist, Summary
 from kvmesh.bench.workloads import Stage
 from kvmesh.errors import ConfigError
 from kvmesh.sim.fleet import simulate
@@ -48,3 +49,35 @@ def test_precise_beats_random_when_random_saturates():
         precise.summary.ttft.p90,
         rnd.summary.ttft.p90,
     )
+
+
+def _stage(index: int, p90: float, tput: float) -> Summary:
+    """A stage summary carrying only what the aggregation reads."""
+    return Summary(
+        num_requests=1, num_ok=1, num_failed=0, duration_s=1.0, request_throughput=1.0,
+        output_throughput=tput, prompt_tokens=0, output_tokens=0, cached_tokens=0, reusable_tokens=0,
+        hit_rate=0.0, reusable_hit_rate=0.0, ttft=Dist(mean=p90, p90=p90), tpot=Dist(), itl=Dist(),
+        e2e=Dist(), stage=index,
+    )  # fmt: skip
+
+
+def test_stage_aggregation_reproduces_llmd_37_published_p90():
+    s37 = get_scenario("llmd-37-capacity")
+    assert s37.aggregation == "stages"
+    published = s37.published_stage_p90["approximate"]
+    assert published is not None
+    # warm-up first (excluded whatever its value), then the published per-stage p90s
+    stages = [_stage(0, 999.0, 1.0), *(_stage(i + 1, p, 100.0) for i, p in enumerate(published))]
+    headline = s37.aggregate(_stage(-1, 0.0, 0.0), stages)
+    assert headline.ttft_p90_s == pytest.approx(s37.published["approximate"].ttft_p90_s, abs=0.01)
+    assert headline.output_tok_s == pytest.approx(100.0)
+    # 37's resident set (83 groups × (8000 + 3 × 1000) tokens) ≈ 37% of the fleet's KV
+    resident = 83 * (8000 + 3 * 1000)
+    assert resident / (s37.fleet.num_replicas * s37.fleet.kv_capacity_tokens) == pytest.approx(0.37, abs=0.01)
+
+
+def test_pooled_aggregation_reads_the_run_summary():
+    s73 = get_scenario("llmd-73-capacity")
+    assert s73.aggregation == "pooled"
+    headline = s73.aggregate(_stage(-1, 0.5, 1234.0), [_stage(1, 9.0, 1.0)])
+    assert (headline.ttft_p90_s, headline.output_tok_s) == (0.5, 1234.0)

@@ -294,7 +294,7 @@ class SharedPrefixWorkload:
 
     def requests(self) -> Iterator[RequestSpec]:
         rng = random.Random(self.seed)
-        prompts: list[tuple[int, int, list[int], int, int, list[dict[str, str]] | None]] = []
+        prompts: list[tuple[int, int, list[int], int, int, list[dict[str, str]] | None, str]] = []
         for g in range(self.num_groups):
             sys_len = self._system.sample(rng)
             system = synthetic_tokens(rng, sys_len, self.vocab_size, self.token_low)
@@ -309,14 +309,14 @@ class SharedPrefixWorkload:
                         {"role": "system", "content": sys_text},
                         {"role": "user", "content": synthetic_text(rng, q_len)},
                     ]
-                prompts.append((g, q, system + question, sys_len, out_len, messages))
+                prompts.append((g, q, system + question, sys_len, out_len, messages, f"g{g}"))
         rng.shuffle(prompts)
 
         seen_groups: set[int] = set()
         seen_prompts: set[tuple[int, int]] = set()
         arrival_rng = random.Random(self.seed + 1)
         for i, (t, stage) in enumerate(_arrivals(self.stages, self.num_requests, self.arrival, arrival_rng)):
-            g, q, tokens, sys_len, out_len, messages = prompts[i % len(prompts)]
+            g, q, tokens, sys_len, out_len, messages, group = prompts[i % len(prompts)]
             if (g, q) in seen_prompts:
                 reusable = len(tokens)
             else:
@@ -328,7 +328,7 @@ class SharedPrefixWorkload:
                 arrival_s=t,
                 prompt_token_ids=list(tokens),
                 output_len=out_len,
-                group=f"g{g}",
+                group=group,
                 stage=stage,
                 reusable_prefix_len=reusable,
                 messages=[dict(m) for m in messages] if messages is not None else None,

@@ -117,7 +117,8 @@ class CostPreset:
     kv_capacity_tokens: int | None = None
     """Measured KV pool size; ``None`` derives it from memory (see :meth:`CostModel.kv_capacity_tokens`)."""
     max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
+    max_num_seqs: int = 1024
+    """vLLM's OpenAI-server defaults on GPUs with 70 GiB or more (H100, H200): 8192 tokens, 1024 sequences."""
     tier_links: dict[str, TierLink] = field(default_factory=lambda: dict(DEFAULT_TIER_LINKS))
 
 

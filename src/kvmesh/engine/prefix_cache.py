@@ -206,7 +206,7 @@ class PrefixCache:
         """
         if num_cached > len(keys):
             raise ValueError(f"num_cached={num_cached} exceeds {len(keys)} keys")
-        head = list(keys[:num_cached])
+        head = keys[:num_cached]
         blocks = self._blocks
         pinned = [blocks[k] for k in head]
         newly_pinned = [b.ref_count for b in pinned].count(0)

@@ -188,13 +188,18 @@ class InMemoryIndex:
                 del blocks[key]
 
     def lookup(self, keys: Iterable[BlockKey]) -> list[Holders]:
-        # C-level iteration (a long cached prompt is hundreds of keys): take holders up to the
-        # first unknown key, then touch exactly the matched keys, replayed from the tee buffer.
-        probe, touch = itertools.tee(keys)
-        get: Callable[[BlockKey], Holders | None] = self._blocks.get
-        out: list[Holders] = list(itertools.takewhile(bool, map(get, probe)))  # type: ignore[arg-type]
-        if out:
-            collections.deque(map(self._blocks.move_to_end, itertools.islice(touch, len(out))), maxlen=0)
+        # A plain loop: measured faster than map/takewhile/tee pipelines at every prompt length
+        # (8 to 128 blocks), and it consumes a lazy key iterator only one key past the match.
+        get = self._blocks.get
+        touch = self._blocks.move_to_end
+        out: list[Holders] = []
+        append = out.append
+        for key in keys:
+            holders = get(key)
+            if not holders:
+                break
+            touch(key)
+            append(holders)
         return out
 
     def clear_pod(self, pod: PodId) -> int:

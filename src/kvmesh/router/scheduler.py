@@ -244,8 +244,8 @@ class Scheduler:
             if not candidates:
                 return None
         n = len(candidates)
-        totals = [0.0] * n
-        weight_sum = 0.0
+        columns: list[list[float]] = []
+        weights: list[float] = []
         clock = self.clock
         on_timing = self.on_timing
         for ws in profile.scorers:
@@ -257,20 +257,47 @@ class Scheduler:
                 if on_timing is not None:
                     on_timing(ws.name, clock() - start)
             assert len(scores) == n, f"scorer {ws.name!r} returned {len(scores)} scores for {n} endpoints"
-            w = ws.weight
-            weight_sum += w
-            # Same float operations, in the same order, as one clamp-and-add per element.
-            totals = [
-                t + w * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
-                for t, s in zip(totals, scores, strict=True)
-            ]
-        if weight_sum > 0:
-            totals = [t / weight_sum for t in totals]
+            columns.append(scores)
+            weights.append(ws.weight)
+        totals = combine_scores(columns, weights, n)
         picker = profile.picker if profile.picker is not None else self._default_picker
         ranked = picker.pick(candidates, totals)
         for observer in profile.observers:
             observer.observe(request, ranked[0])
         return _Ranked(ranked, {e.pod: t for e, t in zip(candidates, totals, strict=True)})
+
+
+def combine_scores(columns: list[list[float]], weights: list[float], n: int) -> list[float]:
+    """Weighted mean of per-scorer scores, each clamped to [0, 1] first.
+
+    Args:
+        columns: one list of ``n`` scores per scorer.
+        weights: each scorer's weight, in the same order.
+        n: number of candidates.
+    """
+    # min/max find any value outside [0, 1]; a NaN first makes min NaN, which fails ``>= 0.0`` too.
+    clamped = [
+        col
+        if not col or (min(col) >= 0.0 and max(col) <= 1.0)
+        else [0.0 if s < 0.0 else 1.0 if s > 1.0 else s for s in col]
+        for col in columns
+    ]
+    weight_sum = 0.0
+    for w in weights:
+        weight_sum += w
+    div = weight_sum if weight_sum > 0 else 1.0
+    # Every total is summed left to right from 0.0 and divided once, whatever the arity; the
+    # common arities are spelled out because they run once per routed request.
+    if len(clamped) == 3:
+        (a, b, c), (wa, wb, wc) = clamped, weights
+        return [(0.0 + wa * x + wb * y + wc * z) / div for x, y, z in zip(a, b, c, strict=True)]
+    if len(clamped) == 2:
+        (a, b), (wa, wb) = clamped, weights
+        return [(0.0 + wa * x + wb * y) / div for x, y in zip(a, b, strict=True)]
+    totals = [0.0] * n
+    for col, w in zip(clamped, weights, strict=True):
+        totals = [t + w * s for t, s in zip(totals, col, strict=True)]
+    return [t / div for t in totals]
 
 
 def load_scheduler_config(source: str | Path) -> dict[str, Any]:

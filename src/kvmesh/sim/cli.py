@@ -98,18 +98,18 @@ def _run(args: argparse.Namespace) -> int:
     from kvmesh.bench.report import compare_table, plot_stage_curves, plot_ttft_cdf, summary_table
     from kvmesh.bench.workloads import load_workload
     from kvmesh.sim.fleet import FleetSimulation
-    from kvmesh.sim.presets import get_scenario
+    from kvmesh.sim.presets import ScenarioPreset, get_scenario
     from kvmesh.sim.report import SimReport, build_report
     from kvmesh.sim.tables import fleet_table, published_table
 
     console = Console(stderr=args.json)
+    scenario: ScenarioPreset | None = None
     try:
         policies = [p for p in (args.policies or DEFAULT_POLICIES).split(",") if p]
         if args.preset:
             scenario = get_scenario(args.preset)
             workload: Any = scenario.workload
             configs = {p: scenario.fleet_for(p) for p in policies}
-            published = scenario.published
         else:
             if not args.workload or not args.replicas:
                 return _err("give --preset, or --workload and --replicas (see kvmesh sim --help)")
@@ -118,7 +118,6 @@ def _run(args: argparse.Namespace) -> int:
             if args.policies is None:
                 policies = ["precise"]
             configs = {p: _base_config(args, n, p) for p in policies}
-            published = {}
     except (ConfigError, ValueError) as exc:
         return _err(str(exc))
 
@@ -145,8 +144,12 @@ def _run(args: argparse.Namespace) -> int:
     runs = {k: r.run for k, r in reports.items()}
     if args.json:
         out = {k: r.to_dict() for k, r in reports.items()}
-        if published:
-            out["published"] = {k: vars_of(v) for k, v in published.items()}
+        if scenario is not None:
+            out["published"] = {k: vars_of(v) for k, v in scenario.published.items()}
+            out["headline"] = {
+                k: vars_of(scenario.headline(r)) for k, r in reports.items() if k in scenario.published
+            }
+            out["aggregation"] = scenario.aggregation
         print(json.dumps(out, indent=2))
     else:
         if args.per_stage:
@@ -154,8 +157,8 @@ def _run(args: argparse.Namespace) -> int:
                 console.print(summary_table(r))
         console.print(compare_table(runs, title=f"simulated: {getattr(workload, 'name', 'workload')}"))
         console.print(fleet_table(reports))
-        if published:
-            console.print(published_table(reports, published))
+        if scenario is not None:
+            console.print(published_table(reports, scenario))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "sim.json").write_text(json.dumps({k: r.to_dict() for k, r in reports.items()}, indent=2))

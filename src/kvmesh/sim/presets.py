@@ -10,12 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvmesh.bench.workloads import SharedPrefixWorkload, Stage
 from kvmesh.engine.cost_model import CostPreset, get_preset
 from kvmesh.errors import ConfigError
 from kvmesh.sim.fleet import FleetConfig
+
+if TYPE_CHECKING:
+    from kvmesh.bench.metrics import Summary
+    from kvmesh.sim.report import SimReport
+
+Aggregation = Literal["pooled", "stages"]
+"""``pooled``: percentiles over every request of the run. ``stages``: llm-d's report rows — per-stage
+figures (warm-up stage excluded) averaged, p90 and mean TTFT weighted by each stage's requests
+(rate × duration), output throughput unweighted."""
 
 
 def _profile(*refs: tuple[str, float]) -> dict[str, Any]:
@@ -72,6 +82,15 @@ class Published:
 
 
 @dataclass(frozen=True, slots=True)
+class Headline:
+    """A run summarised the way a published table summarises it."""
+
+    ttft_p90_s: float
+    output_tok_s: float
+    ttft_mean_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class ScenarioPreset:
     """A fleet + workload + schedulers to compare, with the published results they are checked against."""
 
@@ -82,6 +101,30 @@ class ScenarioPreset:
     schedulers: dict[str, dict[str, Any]]
     published: dict[str, Published] = field(default_factory=dict)
     notes: str = ""
+    aggregation: Aggregation = "pooled"
+    """How the published table summarises a run (see :func:`headline`)."""
+    published_stage_p90: dict[str, list[float] | None] = field(default_factory=dict)
+    """Published per-stage p90 TTFT (warm-up excluded), where the benchmark's report gives them."""
+
+    def headline(self, report: SimReport) -> Headline:
+        """The simulated figures comparable with this preset's published row (see ``aggregation``)."""
+        return self.aggregate(report.summary, report.run.stages)
+
+    def aggregate(self, run: Summary, stages: Sequence[Summary]) -> Headline:
+        """:meth:`headline` from a run's summary and its per-stage summaries."""
+        if self.aggregation == "pooled":
+            return Headline(run.ttft.p90, run.output_throughput, run.ttft.mean)
+        defined = self.workload.stages or []
+        weights = {i: s.rate * s.duration for i, s in enumerate(defined) if i > 0}
+        rows = [(weights[st.stage], st) for st in stages if st.stage is not None and st.stage in weights]
+        if not rows:
+            return Headline(float("nan"), float("nan"), float("nan"))
+        total = sum(w for w, _ in rows)
+        return Headline(
+            ttft_p90_s=sum(w * st.ttft.p90 for w, st in rows) / total,
+            output_tok_s=sum(st.output_throughput for _, st in rows) / len(rows),
+            ttft_mean_s=sum(w * st.ttft.mean for w, st in rows) / total,
+        )
 
     def fleet_for(self, policy: str) -> FleetConfig:
         """The fleet config with ``policy``: one of this preset's schedulers or any policy name."""
@@ -148,13 +191,25 @@ LLMD_73 = ScenarioPreset(
     },
 )
 
-OUTPUT_LEN_37 = 156
-"""Published precise output tok/s (5650) ÷ the mean offered rate of the stage list (36.1 req/s)."""
+LLMD_37_SCHEDULERS: dict[str, dict[str, Any]] = {
+    "precise": _profile(
+        ("precise-prefix-cache-scorer", 2), ("kv-cache-utilization-scorer", 1), ("queue-scorer", 1)
+    ),
+    "approximate": _profile(
+        ("prefix-cache-scorer", 2), ("kv-cache-utilization-scorer", 1), ("queue-scorer", 1)
+    ),
+    "load": LLMD_SCHEDULERS["load"],
+    "random": LLMD_SCHEDULERS["random"],
+}
+"""37-capacity's weights: prefix 2, KV 1, queue 1 for both prefix schedulers (its README's configs)."""
+
+_STAGES_37 = [(9, 30), (3, 210), (4, 180), (5, 120), (6, 120), (8, 90), (10, 70), (12, 60), (15, 50), (20, 50)]
+"""37-capacity's constant-rate stages (QPS, seconds); the first is its warm-up."""
 
 LLMD_37 = ScenarioPreset(
     name="llmd-37-capacity",
-    description="Llama-3.1-70B, 4 pods TP4 on H100; shared_prefix 83 groups × 3 prompts, 8000 + 1000 tokens "
-    "in, 1000 out configured (156 simulated); resident set ≈ 37% of fleet KV",
+    description="Llama-3.1-70B, 4 pods TP4 on H100, 617,000 KV tokens per pod; shared_prefix 83 groups × 3 "
+    "prompts, 8000 + 1000 tokens in, 1000 out, constant-rate stages 3–20 QPS; resident set ≈ 37% of fleet KV",
     fleet=FleetConfig(
         num_replicas=4,
         model_preset=_calibrated("llama-3.1-70b-h100-tp4"),
@@ -169,18 +224,22 @@ LLMD_37 = ScenarioPreset(
         num_prompts_per_group=3,
         system_prompt_len=8000,
         question_len=1000,
-        output_len=OUTPUT_LEN_37,
-        stages=[Stage(float(r), float(d)) for r, d in _STAGES_73],
-        arrival="poisson",
+        output_len=1000,
+        stages=[Stage(float(r), float(d)) for r, d in _STAGES_37],
+        arrival="constant",
         seed=0,
         name="llmd-37-capacity",
     ),
-    schedulers=LLMD_SCHEDULERS,
+    schedulers=LLMD_37_SCHEDULERS,
     published={
         "precise": Published(5650, 0.275),
         "approximate": Published(5096, 7.54),
         "load": Published(3018, 78.3),
         "random": Published(2895, 84.6),
+    },
+    aggregation="stages",
+    published_stage_p90={
+        "approximate": [0.399, 0.70, 0.90, 0.79, 1.11, 1.31, 1.20, 1.90, 43.57],
     },
 )
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from rich.table import Table
 
-from kvmesh.sim.presets import Published
+from kvmesh.sim.presets import ScenarioPreset
 from kvmesh.sim.report import SimReport
 
 
@@ -38,25 +38,26 @@ def fleet_table(reports: Mapping[str, SimReport]) -> Table:
     return table
 
 
-def published_table(reports: Mapping[str, SimReport], published: Mapping[str, Published]) -> Table:
-    """Simulated and published figures side by side, with their ratios."""
-    table = Table(title="simulated vs published")
+def published_table(reports: Mapping[str, SimReport], scenario: ScenarioPreset) -> Table:
+    """Simulated and published figures side by side, aggregated as the published table is."""
+    how = "per-stage figures averaged" if scenario.aggregation == "stages" else "all requests pooled"
+    table = Table(title=f"simulated vs published ({how})")
     for col in (
         "scheduler", "TTFT p90 sim", "TTFT p90 pub", "ratio", "out tok/s sim", "out tok/s pub", "ratio",
     ):  # fmt: skip
         table.add_column(col, justify="right")
     for label, rep in reports.items():
-        pub = published.get(label)
+        pub = scenario.published.get(label)
         if pub is None:
             continue
-        s = rep.summary
+        h = scenario.headline(rep)
         table.add_row(
             label,
-            f"{s.ttft.p90:.3f}",
+            f"{h.ttft_p90_s:.3f}",
             f"{pub.ttft_p90_s:.3f}",
-            f"{s.ttft.p90 / pub.ttft_p90_s:.2f}",
-            f"{s.output_throughput:.0f}",
+            f"{h.ttft_p90_s / pub.ttft_p90_s:.2f}",
+            f"{h.output_tok_s:.0f}",
             f"{pub.output_tok_s:.0f}",
-            f"{s.output_throughput / pub.output_tok_s:.2f}",
+            f"{h.output_tok_s / pub.output_tok_s:.2f}",
         )
     return table

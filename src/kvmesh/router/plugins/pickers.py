@@ -18,9 +18,11 @@ class MaxScorePicker:
 
     def pick(self, endpoints: list[EndpointState], scores: list[float]) -> list[PodId]:
         rand = self.rng.random
-        keys = [(-s, rand()) for s in scores]
-        order = sorted(range(len(endpoints)), key=keys.__getitem__)
-        return [endpoints[i].pod for i in order]
+        # One random tie-break per endpoint, drawn in endpoint order; the pod only decides exact
+        # (score, draw) ties, which 53-bit draws make practically impossible.
+        keys = [(-s, rand(), e.pod) for s, e in zip(scores, endpoints, strict=True)]
+        keys.sort()
+        return [k[2] for k in keys]
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ def _tier_map(
     return out
 
 
-def _min_max_inverse(values: list[float]) -> list[float]:
+def _min_max_inverse(values: list[float] | list[int]) -> list[float]:
     lo, hi = min(values), max(values)
     if hi <= lo:
         return [1.0] * len(values)
@@ -124,7 +124,7 @@ class QueueScorer:
     """Shorter engine queue (``vllm:num_requests_waiting``) is better; min-max normalized."""
 
     def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
-        return _min_max_inverse([float(e.waiting) for e in endpoints])
+        return _min_max_inverse([e.waiting for e in endpoints])
 
 
 @dataclass(slots=True)
