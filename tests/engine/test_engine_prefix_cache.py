@@ -147,6 +147,18 @@ def test_grow_and_double_free() -> None:
     assert cache.num_reserved == 0
 
 
+def test_shrink_returns_reserved_blocks() -> None:
+    cache = make_cache(3)
+    alloc = cache.allocate("a", [], 0, 3)
+    assert alloc is not None and cache.can_allocate(1) is False
+    cache.shrink(alloc, 2)
+    assert (alloc.num_reserved, cache.num_reserved, cache.can_allocate(2)) == (1, 1, True)
+    with pytest.raises(ValueError, match="cannot shrink"):
+        cache.shrink(alloc, 2)
+    cache.free(alloc)
+    assert cache.num_reserved == 0
+
+
 def test_capacity_must_hold_a_block() -> None:
     with pytest.raises(ValueError, match="less than one block"):
         PrefixCache(3, 4)

@@ -13,7 +13,7 @@ from kvmesh.errors import ConfigError
 from kvmesh.router.index import InMemoryIndex, medium_set
 from kvmesh.router.plugins.registry import DEPRECATED_ALIASES, FACTORIES, canonical_type
 from kvmesh.router.plugins.scorers import TTFTEstimateScorer
-from kvmesh.router.scheduler import PRESET_NAMES, Scheduler, load_scheduler_config
+from kvmesh.router.scheduler import PRESET_NAMES, Scheduler, WeightedScorer, load_scheduler_config
 from kvmesh.router.types import EndpointState, PodMatch, PrefixMatch, Role, RoutingRequest
 
 NS = Namespace("m")
@@ -246,7 +246,7 @@ def test_scores_are_clamped():
             return [7.0, -3.0]
 
     s = Scheduler.from_config(single("queue-scorer"))
-    s.profiles["default"].scorers[0].scorer = Wild()  # type: ignore[assignment]
+    s.profiles["default"].scorers[0] = WeightedScorer("wild", Wild(), 1.0)  # makes no range promise
     d = s.pick(req(), eps(A, B))
     assert d is not None and d.scores == {A: 1.0, B: 0.0}
 
@@ -308,3 +308,35 @@ def test_bad_configs_are_rejected_with_a_message(config, message):
 def test_unknown_preset_or_file():
     with pytest.raises(ConfigError, match="not a preset"):
         load_scheduler_config("fastest")
+
+
+def test_out_of_range_scores_are_clamped_unless_the_scorer_promises_the_range():
+    from kvmesh.router.scheduler import clamp_scores, combine_scores
+
+    assert clamp_scores([-0.5, 0.25, 1.5, float("nan")]) == [0.0, 0.25, 1.0, 0.0]
+    in_range = [0.0, 0.5, 1.0]
+    assert clamp_scores(in_range) is in_range
+    assert combine_scores([[1.0, 0.0], [0.5, 0.5]], [3.0, 1.0], 2) == [(3.0 + 0.5) / 4, 0.5 / 4]
+    s = Scheduler.from_config(
+        {
+            "plugins": [
+                {"type": "precise-prefix-cache-scorer", "parameters": {"tierWeights": {"GPU": 2.0}}},
+                {"type": "queue-scorer"},
+                {"type": "max-score-picker"},
+            ],
+            "schedulingProfiles": [
+                {
+                    "name": "default",
+                    "plugins": [
+                        {"pluginRef": "precise-prefix-cache-scorer", "weight": 1},
+                        {"pluginRef": "queue-scorer", "weight": 1},
+                        {"pluginRef": "max-score-picker"},
+                    ],
+                }
+            ],
+        },
+        block_size=4,
+    )
+    clamps = {ws.name: ws.clamp for ws in s.profiles["default"].scorers}
+    # a GPU block worth 2 can push the prefix score past 1; queue scores are min-max normalized
+    assert clamps == {"precise-prefix-cache-scorer": True, "queue-scorer": False}

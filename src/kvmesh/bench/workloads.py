@@ -72,6 +72,8 @@ class RequestSpec:
     """Tokens of this prompt that an ideal fleet-wide cache could hold (shared with an earlier prompt)."""
     messages: list[dict[str, str]] | None = None
     """Chat form of the prompt, for workloads that are chat-shaped (text mode)."""
+    prompt_id: int | None = None
+    """Which of the workload's distinct prompts this is (equal ids, equal tokens); ``None`` if untracked."""
 
 
 class Workload(Protocol):
@@ -313,16 +315,17 @@ class SharedPrefixWorkload:
         rng.shuffle(prompts)
 
         seen_groups: set[int] = set()
-        seen_prompts: set[tuple[int, int]] = set()
+        seen_prompts: set[int] = set()
         arrival_rng = random.Random(self.seed + 1)
         for i, (t, stage) in enumerate(_arrivals(self.stages, self.num_requests, self.arrival, arrival_rng)):
             g, q, tokens, sys_len, out_len, messages, group = prompts[i % len(prompts)]
-            if (g, q) in seen_prompts:
+            prompt_id = g * self.num_prompts_per_group + q
+            if prompt_id in seen_prompts:
                 reusable = len(tokens)
             else:
                 reusable = sys_len if g in seen_groups else 0
                 seen_groups.add(g)
-                seen_prompts.add((g, q))
+                seen_prompts.add(prompt_id)
             yield RequestSpec(
                 request_id=f"{self.name}-{i}",
                 arrival_s=t,
@@ -332,6 +335,7 @@ class SharedPrefixWorkload:
                 stage=stage,
                 reusable_prefix_len=reusable,
                 messages=[dict(m) for m in messages] if messages is not None else None,
+                prompt_id=prompt_id,
             )
 
 

@@ -208,19 +208,17 @@ class PrefixCache:
             raise ValueError(f"num_cached={num_cached} exceeds {len(keys)} keys")
         head = keys[:num_cached]
         blocks = self._blocks
+        free = self._free
         pinned = [blocks[k] for k in head]
         newly_pinned = [b.ref_count for b in pinned].count(0)
-        if self.num_used_blocks + newly_pinned + num_new_blocks > self.capacity_blocks:
+        if len(blocks) - len(free) + self.num_reserved + newly_pinned + num_new_blocks > self.capacity_blocks:
             return None
-        alloc = Allocation(request_id)
-        free = self._free
+        alloc = Allocation(request_id, list(head), num_new_blocks)
         for key, block in zip(head, pinned, strict=True):  # _pin, inlined (hot in simulations)
             if block.ref_count == 0:
                 free.pop(key, None)
             block.ref_count += 1
-        alloc.keys.extend(head)
         self._reserve(num_new_blocks)
-        alloc.num_reserved = num_new_blocks
         return alloc
 
     def grow(self, alloc: Allocation, num_blocks: int) -> bool:
@@ -230,6 +228,17 @@ class PrefixCache:
         self._reserve(num_blocks)
         alloc.num_reserved += num_blocks
         return True
+
+    def shrink(self, alloc: Allocation, num_blocks: int) -> None:
+        """Give back ``num_blocks`` of ``alloc``'s reserved, not yet cached blocks.
+
+        Raises:
+            ValueError: ``alloc`` reserves fewer blocks.
+        """
+        if not 0 <= num_blocks <= alloc.num_reserved:
+            raise ValueError(f"cannot shrink {alloc.request_id} by {num_blocks}: {alloc.num_reserved} reserved")
+        alloc.num_reserved -= num_blocks
+        self.num_reserved -= num_blocks
 
     def cache_blocks(
         self,
@@ -257,7 +266,10 @@ class PrefixCache:
         """
         assert not alloc.freed, f"cache_blocks on freed allocation of {alloc.request_id}"
         first = len(alloc.keys)
-        assert list(keys[:first]) == alloc.keys, f"allocation of {alloc.request_id} is not a prefix of keys"
+        # Keys are chained digests: equal keys at the last pinned block mean equal prefixes.
+        assert not first or keys[first - 1] == alloc.keys[-1], (
+            f"allocation of {alloc.request_id} is not a prefix of keys"
+        )
         bs = self.block_size
         added = 0
         run: list[_Block] = []

@@ -19,6 +19,7 @@ scheduler the live records without copying.
 from __future__ import annotations
 
 import asyncio
+import math
 import contextlib
 import logging
 from collections.abc import Callable
@@ -110,7 +111,7 @@ def _reachable(zmq_endpoint: str | None, url: PodId) -> str | None:
 def parse_prometheus_gauges(text: str) -> dict[str, float]:
     """Sum every sample of each metric name in a Prometheus text exposition.
 
-    Only plain samples are read; comments and malformed lines are skipped.
+    Only plain finite samples are read; comments, malformed lines, NaN and infinities are skipped.
     """
     totals: dict[str, float] = {}
     for line in text.splitlines():
@@ -129,6 +130,8 @@ def parse_prometheus_gauges(text: str) -> dict[str, float]:
         try:
             value = float(rest[0])
         except ValueError:
+            continue
+        if not math.isfinite(value):
             continue
         totals[name] = totals.get(name, 0.0) + value
     return totals
@@ -360,10 +363,10 @@ class EndpointPool:
         state = endpoint.state
         for name in _WAITING:
             if name in gauges:
-                state.waiting = int(gauges[name])
+                state.waiting = max(int(gauges[name]), 0)
         for name in _RUNNING:
             if name in gauges:
-                state.running = int(gauges[name])
+                state.running = max(int(gauges[name]), 0)
         for name in _KV_USAGE:
             if name in gauges:
                 state.kv_cache_usage = min(max(gauges[name], 0.0), 1.0)

@@ -57,6 +57,8 @@ class WeightedScorer:
     name: str
     scorer: Scorer
     weight: float
+    clamp: bool = True
+    """Clamp its scores to [0, 1]; off for scorers that declare ``scores_in_unit_range``."""
 
 
 @dataclass(slots=True)
@@ -257,7 +259,7 @@ class Scheduler:
                 if on_timing is not None:
                     on_timing(ws.name, clock() - start)
             assert len(scores) == n, f"scorer {ws.name!r} returned {len(scores)} scores for {n} endpoints"
-            columns.append(scores)
+            columns.append(clamp_scores(scores) if ws.clamp else scores)
             weights.append(ws.weight)
         totals = combine_scores(columns, weights, n)
         picker = profile.picker if profile.picker is not None else self._default_picker
@@ -267,35 +269,35 @@ class Scheduler:
         return _Ranked(ranked, {e.pod: t for e, t in zip(candidates, totals, strict=True)})
 
 
+def clamp_scores(scores: list[float]) -> list[float]:
+    """``scores`` with every value outside [0, 1] clamped (NaN counts as 0)."""
+    if all(0.0 <= s <= 1.0 for s in scores):
+        return scores
+    return [0.0 if not s >= 0.0 else 1.0 if s > 1.0 else s for s in scores]
+
+
 def combine_scores(columns: list[list[float]], weights: list[float], n: int) -> list[float]:
-    """Weighted mean of per-scorer scores, each clamped to [0, 1] first.
+    """Weighted mean of per-scorer scores (already in [0, 1]).
 
     Args:
         columns: one list of ``n`` scores per scorer.
         weights: each scorer's weight, in the same order.
         n: number of candidates.
     """
-    # min/max find any value outside [0, 1]; a NaN first makes min NaN, which fails ``>= 0.0`` too.
-    clamped = [
-        col
-        if not col or (min(col) >= 0.0 and max(col) <= 1.0)
-        else [0.0 if s < 0.0 else 1.0 if s > 1.0 else s for s in col]
-        for col in columns
-    ]
     weight_sum = 0.0
     for w in weights:
         weight_sum += w
     div = weight_sum if weight_sum > 0 else 1.0
     # Every total is summed left to right from 0.0 and divided once, whatever the arity; the
     # common arities are spelled out because they run once per routed request.
-    if len(clamped) == 3:
-        (a, b, c), (wa, wb, wc) = clamped, weights
+    if len(columns) == 3:
+        (a, b, c), (wa, wb, wc) = columns, weights
         return [(0.0 + wa * x + wb * y + wc * z) / div for x, y, z in zip(a, b, c, strict=True)]
-    if len(clamped) == 2:
-        (a, b), (wa, wb) = clamped, weights
+    if len(columns) == 2:
+        (a, b), (wa, wb) = columns, weights
         return [(0.0 + wa * x + wb * y) / div for x, y in zip(a, b, strict=True)]
     totals = [0.0] * n
-    for col, w in zip(clamped, weights, strict=True):
+    for col, w in zip(columns, weights, strict=True):
         totals = [t + w * s for t, s in zip(totals, col, strict=True)]
     return [t / div for t in totals]
 
@@ -388,7 +390,8 @@ def _add_to_profile(profile: Profile, ref: Any, plugins: Mapping[str, Any]) -> N
     if hasattr(plugin, "filter"):
         profile.filters.append(plugin)
     elif hasattr(plugin, "score"):
-        profile.scorers.append(WeightedScorer(name, plugin, float(weight)))
+        trusted = bool(getattr(plugin, "scores_in_unit_range", False))
+        profile.scorers.append(WeightedScorer(name, plugin, float(weight), clamp=not trusted))
     else:
         if profile.picker is not None:
             raise ConfigError(f"profile {profile.name!r}: more than one picker")

@@ -131,11 +131,12 @@ class _KeyMemo:
 
     def __init__(self, cache: PrefixCache, limit: int = 200_000) -> None:
         self._cache = cache
-        self._memo: dict[tuple[int, ...], list[BlockKey]] = {}
+        self._memo: dict[tuple[int, ...] | int, list[BlockKey]] = {}
         self._limit = limit
 
-    def keys(self, tokens: list[int]) -> list[BlockKey]:
-        key = tuple(tokens)
+    def keys(self, tokens: list[int], prompt_id: int | None = None) -> list[BlockKey]:
+        """Keys of ``tokens``; a workload's ``prompt_id`` names them without hashing the tokens."""
+        key = tuple(tokens) if prompt_id is None else prompt_id
         found = self._memo.get(key)
         if found is None:
             if len(self._memo) >= self._limit:
@@ -264,7 +265,7 @@ class FleetSimulation:
             arrival=max(spec.arrival_s, self.loop.now),
             tokens=tokens,
             output_len=spec.output_len,
-            keys=self._memo.keys(tokens),
+            keys=self._memo.keys(tokens, spec.prompt_id),
             stage=spec.stage,
             group=spec.group,
             reusable=spec.reusable_prefix_len,

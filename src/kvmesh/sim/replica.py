@@ -246,10 +246,7 @@ class SimReplica:
             if not self.cache.grow(self._reserve, want - have):
                 return False
         elif want < have:
-            self.cache.free(self._reserve)
-            alloc = self.cache.allocate(f"{self.pod}/decode", [], 0, want)
-            assert alloc is not None, "shrinking the decode reservation cannot fail"
-            self._reserve = alloc
+            self.cache.shrink(self._reserve, have - want)
         self._reserved_blocks = want
         return True
 
@@ -368,7 +365,8 @@ class SimReplica:
             if ver == req.version:
                 self._finish(req, now)
         self._maybe_preempt()
-        self._sync_reservation()
+        if not self.running:  # otherwise _maybe_preempt left the reservation in sync
+            self._sync_reservation()
         self._account_usage(now)
         events = self.cache.take_events()
         if events:
@@ -431,7 +429,8 @@ class SimReplica:
             req.load_s = loaded_until - now
         if start > gpu_tokens:
             self._cache_computed(req)
-        self._sync_reservation()
+        if self._reserved_blocks != want:  # want counts this request: only a shrink can be due
+            self._sync_reservation()
         return loaded_until
 
     def _cache_computed(self, req: SimRequest) -> None:

@@ -40,7 +40,11 @@ class Filter(Protocol):
 
 
 class Scorer(Protocol):
-    """Rates endpoints for a request."""
+    """Rates endpoints for a request.
+
+    The scheduler clamps each score to [0, 1] before weighting, unless the scorer has a true
+    ``scores_in_unit_range`` attribute promising that every score it returns already lies there.
+    """
 
     def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
         """One score in [0, 1] per endpoint (higher is better), in input order."""

@@ -6,6 +6,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
 from kvmesh.core.types import BlockKey, Medium, PodId
@@ -47,6 +48,11 @@ class PrecisePrefixScorer:
 
     tier_weights: dict[Medium, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
 
+    @property
+    def scores_in_unit_range(self) -> bool:
+        """Matched blocks over prompt blocks, each worth at most its tier weight."""
+        return all(0.0 <= w <= 1.0 for w in self.tier_weights.values())
+
     def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
         prefix = request.prefix
         if prefix is None or prefix.num_blocks == 0 or not prefix.pods:
@@ -67,6 +73,9 @@ class ApproximatePrefixScorer:
     Every routed prompt's blocks (of ``block_size`` tokens, its own granularity) are remembered
     for the chosen endpoint in an LRU of ``capacity`` blocks.
     """
+
+    scores_in_unit_range: ClassVar[bool] = True
+    """Matched blocks over prompt blocks."""
 
     block_size: int
     capacity: int
@@ -123,6 +132,9 @@ class ApproximatePrefixScorer:
 class QueueScorer:
     """Shorter engine queue (``vllm:num_requests_waiting``) is better; min-max normalized."""
 
+    scores_in_unit_range: ClassVar[bool] = True
+    """Min-max normalized."""
+
     def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
         return _min_max_inverse([e.waiting for e in endpoints])
 
@@ -131,6 +143,9 @@ class QueueScorer:
 class KVCacheUtilizationScorer:
     """Emptier device KV cache is better: ``1 - kv_cache_usage``."""
 
+    scores_in_unit_range: ClassVar[bool] = True
+    """Endpoint states hold usage in [0, 1] (the scraper clamps it)."""
+
     def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
         return [1.0 - e.kv_cache_usage for e in endpoints]
 
@@ -138,6 +153,9 @@ class KVCacheUtilizationScorer:
 @dataclass(slots=True)
 class ActiveRequestScorer:
     """Fewer requests in flight from this router is better: ``(max - n) / max``."""
+
+    scores_in_unit_range: ClassVar[bool] = True
+    """In-flight counts are never negative."""
 
     def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
         top = max((e.in_flight for e in endpoints), default=0)
@@ -149,6 +167,9 @@ class ActiveRequestScorer:
 @dataclass(slots=True)
 class SessionAffinityScorer:
     """1 for the endpoint that served this ``x-session-id`` last, 0 elsewhere."""
+
+    scores_in_unit_range: ClassVar[bool] = True
+    """Zeros and a one."""
 
     capacity: int
     _sessions: OrderedDict[str, PodId] = field(default_factory=OrderedDict)
@@ -172,6 +193,9 @@ class SessionAffinityScorer:
 class RandomScorer:
     """A uniform random score per endpoint."""
 
+    scores_in_unit_range: ClassVar[bool] = True
+    """Uniform draws in [0, 1)."""
+
     rng: random.Random
 
     def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
@@ -181,6 +205,9 @@ class RandomScorer:
 @dataclass(slots=True)
 class RoundRobinScorer:
     """1 for the next endpoint in pod-id order, 0 elsewhere; advances on each decision."""
+
+    scores_in_unit_range: ClassVar[bool] = True
+    """Zeros and a one."""
 
     _turn: int = 0
 
@@ -204,6 +231,9 @@ class TTFTEstimateScorer:
     ``prefill_tokens_per_s``, and blocks cached in a tier move at that tier's GB/s (0 means the
     tier needs no transfer, as for the device itself).
     """
+
+    scores_in_unit_range: ClassVar[bool] = True
+    """Best estimate over each estimate, or 1."""
 
     prefill_tokens_per_s: float
     queued_request_s: float
