@@ -36,9 +36,9 @@ def main() -> None:
     gen_s = time.perf_counter() - t0
     cfg = FleetConfig(num_replicas=args.replicas, model_preset=args.model_preset, policy=args.policy)
     sim = FleetSimulation(cfg)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     run = sim.run(wl)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     ok = sum(1 for r in run.requests if r.failed is None)
     out = {
         "requests": len(run.requests),
@@ -46,6 +46,7 @@ def main() -> None:
         "replicas": args.replicas,
         "policy": args.policy,
         "wall_s": wall,
+        "cpu_s": cpu,
         "workload_generation_s": gen_s,
         "us_per_request": wall / max(len(run.requests), 1) * 1e6,
         "events": run.num_events,

@@ -33,10 +33,12 @@ def keys(n: int, tag: str = "k") -> list[BlockKey]:
     return [BlockKey(f"{tag}{i:014d}".encode()[:16].ljust(16, b"_")) for i in range(n)]
 
 
-@pytest.fixture(params=["memory", "instrumented", "redis"])
+@pytest.fixture(params=["memory", "unbounded", "instrumented", "redis"])
 def index(request):
     if request.param == "memory":
         yield InMemoryIndex(1000)
+    elif request.param == "unbounded":
+        yield InMemoryIndex(None)
     elif request.param == "instrumented":
         yield InstrumentedIndex(InMemoryIndex(1000))
     else:
@@ -139,6 +141,17 @@ def test_memory_lru_evicts_least_recently_used():
     assert idx.lookup([ks[2]]) == []
     assert idx.lookup(ks[3:6]) == [{A: GPU}] * 3
     assert idx.stats().num_entries == 4
+
+
+def test_unbounded_index_never_evicts():
+    idx = InMemoryIndex(capacity=None)
+    ks = keys(50)
+    for i in range(0, 50, 5):
+        idx.add(ks[i : i + 5], A, GPU)
+    idx.add(ks[:10], B, CPU)
+    stats = idx.stats()
+    assert (stats.num_keys, stats.num_entries, stats.num_evicted, stats.capacity) == (50, 60, 0, None)
+    assert idx.lookup(ks) == [{A: GPU, B: CPU}] * 10 + [{A: GPU}] * 40
 
 
 def test_memory_capacity_must_be_positive():

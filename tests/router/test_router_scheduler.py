@@ -340,3 +340,14 @@ def test_out_of_range_scores_are_clamped_unless_the_scorer_promises_the_range():
     clamps = {ws.name: ws.clamp for ws in s.profiles["default"].scorers}
     # a GPU block worth 2 can push the prefix score past 1; queue scores are min-max normalized
     assert clamps == {"precise-prefix-cache-scorer": True, "queue-scorer": False}
+
+
+def test_rank_is_picks_ranking_without_the_decision():
+    a = Scheduler.from_config(load_scheduler_config("precise"), rng=random.Random(5))
+    b = Scheduler.from_config(load_scheduler_config("precise"), rng=random.Random(5))
+    for i in range(20):
+        d = a.pick(req(i), eps(A, B, C))
+        assert d is not None and b.rank(req(i), eps(A, B, C)) == d.ranked
+    pd = Scheduler.from_config(load_scheduler_config("pd"))
+    with pytest.raises(ValueError, match="P/D"):
+        pd.rank(req(), eps(A, B))

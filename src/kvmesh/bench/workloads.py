@@ -63,6 +63,7 @@ class RequestSpec:
     arrival_s: float
     """Seconds after the start of the run at which the request is due."""
     prompt_token_ids: list[int]
+    """Read-only: workloads hand out one list per distinct prompt to every request that sends it."""
     output_len: int
     group: str | None = None
     session_id: str | None = None
@@ -329,7 +330,7 @@ class SharedPrefixWorkload:
             yield RequestSpec(
                 request_id=f"{self.name}-{i}",
                 arrival_s=t,
-                prompt_token_ids=list(tokens),
+                prompt_token_ids=tokens,
                 output_len=out_len,
                 group=group,
                 stage=stage,

@@ -229,6 +229,25 @@ class CostModel:
     """Step times for one preset. Pure: every method is a function of its arguments."""
 
     preset: CostPreset
+    # Constants of the step formula, derived once (a simulation costs millions of steps).
+    _param_flops: float = field(init=False, repr=False, compare=False)
+    _pair_flops: int = field(init=False, repr=False, compare=False)
+    _flops_per_s: float = field(init=False, repr=False, compare=False)
+    _bytes_per_s: float = field(init=False, repr=False, compare=False)
+    _weight_bytes: float = field(init=False, repr=False, compare=False)
+    _kv_bytes: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        m, p = self.preset.model, self.preset
+        for name, value in (
+            ("_param_flops", 2.0 * m.num_params),
+            ("_pair_flops", m.attention_flops_per_pair),
+            ("_flops_per_s", p.gpu.peak_flops * p.tp * p.mfu),
+            ("_bytes_per_s", p.gpu.hbm_bandwidth * p.tp * p.mbu),
+            ("_weight_bytes", m.weight_bytes),
+            ("_kv_bytes", m.kv_bytes_per_token),
+        ):
+            object.__setattr__(self, name, value)
 
     @property
     def model(self) -> ModelSpec:
@@ -237,14 +256,12 @@ class CostModel:
     @property
     def flops_per_second(self) -> float:
         """Effective compute: peak × tp × MFU."""
-        p = self.preset
-        return p.gpu.peak_flops * p.tp * p.mfu
+        return self._flops_per_s
 
     @property
     def bytes_per_second(self) -> float:
         """Effective HBM bandwidth: BW × tp × MBU."""
-        p = self.preset
-        return p.gpu.hbm_bandwidth * p.tp * p.mbu
+        return self._bytes_per_s
 
     def kv_capacity_tokens(self) -> int:
         """KV tokens the replica holds: the preset's measured figure, else free HBM / KV bytes per token."""
@@ -297,15 +314,15 @@ class CostModel:
         """
         if not prefills and not num_decodes:
             return 0.0
-        m = self.model
-        flops = sum(self.prefill_flops(s, e) for s, e in prefills)
-        flops += num_decodes * 2.0 * m.num_params + m.attention_flops_per_pair * decode_context_total
-        kv_read = decode_context_total + sum(e for _, e in prefills)
-        bytes_moved = m.weight_bytes + kv_read * m.kv_bytes_per_token
-        return (
-            max(flops / self.flops_per_second, bytes_moved / self.bytes_per_second)
-            + self.preset.step_overhead
-        )
+        param, pair = self._param_flops, self._pair_flops
+        flops = 0.0
+        kv_read = decode_context_total
+        for s, e in prefills:  # prefill_flops, inlined
+            flops += param * (e - s) + pair * causal_pairs(s, e)
+            kv_read += e
+        flops += num_decodes * param + pair * decode_context_total
+        bytes_moved = self._weight_bytes + kv_read * self._kv_bytes
+        return max(flops / self._flops_per_s, bytes_moved / self._bytes_per_s) + self.preset.step_overhead
 
     def kv_load_time(self, num_tokens: int, tier: str) -> float:
         """Seconds to bring ``num_tokens`` tokens of KV from ``tier`` into device memory (0 for "GPU")."""

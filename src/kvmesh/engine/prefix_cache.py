@@ -218,7 +218,11 @@ class PrefixCache:
             if block.ref_count == 0:
                 free.pop(key, None)
             block.ref_count += 1
-        self._reserve(num_new_blocks)
+        # _reserve, inlined: the check above guarantees enough free blocks can be evicted.
+        excess = len(blocks) + self.num_reserved + num_new_blocks - self.capacity_blocks
+        if excess > 0:
+            self._make_room(num_new_blocks, reserving=True)
+        self.num_reserved += num_new_blocks
         return alloc
 
     def grow(self, alloc: Allocation, num_blocks: int) -> bool:
@@ -309,14 +313,15 @@ class PrefixCache:
         if alloc.freed:
             return
         alloc.freed = True
-        get = self._blocks.get
+        blocks = self._blocks
         free = self._free
         for key in reversed(alloc.keys):
-            block = get(key)
-            assert block is not None and block.ref_count > 0, f"pinned block vanished ({alloc.request_id})"
-            block.ref_count -= 1
-            if block.ref_count == 0:
+            block = blocks[key]  # pinned blocks are never evicted
+            left = block.ref_count - 1
+            block.ref_count = left
+            if not left:
                 free[key] = None
+            assert left >= 0, f"block of {alloc.request_id} unpinned more often than pinned"
         self.num_reserved -= alloc.num_reserved
         alloc.num_reserved = 0
         assert self.num_reserved >= 0, "reservation count went negative: an allocation was freed twice"

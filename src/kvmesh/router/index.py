@@ -74,7 +74,8 @@ class IndexStats:
     num_keys: int
     num_entries: int
     num_evicted: int
-    capacity: int
+    capacity: int | None
+    """Most keys kept; ``None`` for an unbounded index."""
     backend: str
 
 
@@ -118,15 +119,22 @@ class BlockIndex(Protocol):
         ...
 
 
+def _no_touch(key: BlockKey) -> None:
+    """Stands in for the LRU touch of an unbounded index."""
+
+
 class InMemoryIndex:
     """LRU-bounded in-process index.
 
     Args:
         capacity: most keys kept; adding past it evicts the least recently added or looked-up key.
+            ``None`` keeps every key and skips the LRU bookkeeping: for a caller whose engines
+            report every eviction (the fleet simulator), where the index can only be as large as
+            the engines' caches together.
     """
 
-    def __init__(self, capacity: int = DEFAULT_INDEX_CAPACITY) -> None:
-        if capacity <= 0:
+    def __init__(self, capacity: int | None = DEFAULT_INDEX_CAPACITY) -> None:
+        if capacity is not None and capacity <= 0:
             raise ValueError(f"index capacity must be positive, got {capacity}")
         self.capacity = capacity
         self._blocks: OrderedDict[BlockKey, dict[PodId, MediumSet]] = OrderedDict()
@@ -140,10 +148,10 @@ class InMemoryIndex:
             before = len(blocks)
             blocks.update(zip(keys, map(dict, itertools.repeat(((pod, media),), len(keys))), strict=True))
             self._num_entries += len(blocks) - before
-            if len(blocks) > self.capacity:
+            if self.capacity is not None and len(blocks) > self.capacity:
                 self._evict(len(blocks) - self.capacity)
             return
-        move = blocks.move_to_end
+        move = blocks.move_to_end if self.capacity is not None else _no_touch
         added = 0
         for key in keys:
             holders = blocks.get(key)
@@ -159,7 +167,7 @@ class InMemoryIndex:
             else:
                 holders[pod] = MediumSet(old | media)
         self._num_entries += added
-        if len(blocks) > self.capacity:
+        if self.capacity is not None and len(blocks) > self.capacity:
             self._evict(len(blocks) - self.capacity)
 
     def _evict(self, n: int) -> None:
@@ -191,9 +199,16 @@ class InMemoryIndex:
         # A plain loop: measured faster than map/takewhile/tee pipelines at every prompt length
         # (8 to 128 blocks), and it consumes a lazy key iterator only one key past the match.
         get = self._blocks.get
-        touch = self._blocks.move_to_end
         out: list[Holders] = []
         append = out.append
+        if self.capacity is None:
+            for key in keys:
+                holders = get(key)
+                if not holders:
+                    break
+                append(holders)
+            return out
+        touch = self._blocks.move_to_end
         for key in keys:
             holders = get(key)
             if not holders:

@@ -26,6 +26,7 @@ there exceed ``threshold``, the prefill profile also picks a prefill endpoint.
 
 from __future__ import annotations
 
+import operator
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ from kvmesh.router.types import Decision, EndpointState, PrefixMatch, RoutingReq
 PRESETS_DIR = Path(__file__).parent / "presets"
 PRESET_NAMES = ("precise", "approximate", "load", "random", "round-robin", "pd")
 DEFAULT_PROFILE = "default"
+_POD_OF = operator.attrgetter("pod")
+_HEALTHY = operator.attrgetter("healthy")
 
 
 @dataclass(slots=True)
@@ -91,7 +94,12 @@ class PDConfig:
 @dataclass(slots=True)
 class _Ranked:
     ranked: list[PodId]
-    scores: dict[PodId, float]
+    candidates: list[EndpointState]
+    totals: list[float]
+
+    @property
+    def scores(self) -> dict[PodId, float]:
+        return dict(zip(map(_POD_OF, self.candidates), self.totals, strict=True))
 
 
 class Scheduler:
@@ -189,6 +197,26 @@ class Scheduler:
             return PrefixMatch(hasher.num_full_blocks(request.num_tokens), self.block_size)
         return match_prefix(self.index, hasher, request.tokens, self.memo)
 
+    def rank(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[PodId] | None:
+        """The default profile's ranking of the healthy ``endpoints``, best first.
+
+        What :meth:`pick` decides without its packaging (scores, predicted hits), for callers that
+        only need the endpoint; a P/D scheduler has no single ranking, so use :meth:`pick` there.
+
+        Raises:
+            ValueError: the scheduler has a P/D decider.
+        """
+        if self.pd is not None:
+            raise ValueError("a P/D scheduler decides with pick()")
+        if request.prefix is None:
+            request.prefix = self.match(request)
+        healthy = endpoints if all(map(_HEALTHY, endpoints)) else [e for e in endpoints if e.healthy]
+        if not healthy:
+            return None
+        name = DEFAULT_PROFILE if DEFAULT_PROFILE in self.profiles else next(iter(self.profiles))
+        result = self._run(self.profiles[name], request, healthy)
+        return None if result is None else result.ranked
+
     def pick(self, request: RoutingRequest, endpoints: list[EndpointState]) -> Decision | None:
         """Choose where ``request`` goes.
 
@@ -201,7 +229,7 @@ class Scheduler:
         """
         if request.prefix is None:
             request.prefix = self.match(request)
-        healthy = [e for e in endpoints if e.healthy]
+        healthy = endpoints if all(map(_HEALTHY, endpoints)) else [e for e in endpoints if e.healthy]
         if not healthy:
             return None
         if self.pd is None:
@@ -266,7 +294,7 @@ class Scheduler:
         ranked = picker.pick(candidates, totals)
         for observer in profile.observers:
             observer.observe(request, ranked[0])
-        return _Ranked(ranked, {e.pod: t for e, t in zip(candidates, totals, strict=True)})
+        return _Ranked(ranked, candidates, totals)
 
 
 def clamp_scores(scores: list[float]) -> list[float]:

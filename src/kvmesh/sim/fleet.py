@@ -217,6 +217,10 @@ class FleetSimulation:
         self._held: deque[SimRequest] = deque()
         self._source: Iterator[RequestSpec] | None = None
         self._index = 0
+        self._direct = (
+            config.max_in_flight is None and config.request_timeout_s is None and config.path_latency_s <= 0
+        )
+        """No client cap, timeout or path latency: a sent request goes straight to the router."""
         self._queue: list[tuple[float, list[int], list[int]]] = []
         self._stage_rates: list[float] = []
         self.on_progress: Callable[[int], None] | None = None
@@ -241,7 +245,7 @@ class FleetSimulation:
         self._pending -= 1
         if self.on_progress is not None:
             self.on_progress(len(self._done))
-        session = self._session_of.pop(req.index, None)
+        session = self._session_of.pop(req.index, None) if self._session_of else None
         if session is not None:
             waiting = self._sessions.get(session)
             if waiting:
@@ -286,6 +290,9 @@ class FleetSimulation:
 
     def _send(self, req: SimRequest) -> None:
         cfg = self.config
+        if self._direct:
+            self._dispatch(req)
+            return
         if cfg.max_in_flight is not None:
             if self._in_flight >= cfg.max_in_flight:
                 self._held.append(req)

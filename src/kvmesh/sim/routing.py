@@ -103,7 +103,8 @@ class SimRouter:
         seed: int = 0,
         metrics_interval_s: float = 0.05,
     ) -> None:
-        self.index = InMemoryIndex(capacity=50_000_000)
+        # Unbounded: the replicas report every eviction, so it never outgrows their caches.
+        self.index = InMemoryIndex(capacity=None)
         self.applier = EventApplier(self.index, model=SIM_MODEL, block_size=block_size, algo=SIM_HASH_ALGO)
         self.scheduler = Scheduler.from_config(
             scheduler_config,
@@ -143,13 +144,17 @@ class SimRouter:
             self._scrape(now)
         states = self._states
         prefix = match_prefix_keys(self.index, req.keys, len(req.keys), self.block_size)
-        decision = self.scheduler.pick(
-            RoutingRequest(req.request_id, req.tokens, self.namespace, prefix=prefix), states
-        )
-        if decision is None:
+        request = RoutingRequest(req.request_id, req.tokens, self.namespace, prefix=prefix)
+        if self.scheduler.pd is None:
+            ranked = self.scheduler.rank(request, states)
+            target = None if not ranked else ranked[0]
+        else:
+            decision = self.scheduler.pick(request, states)
+            target = None if decision is None else decision.endpoint
+        if target is None:
             self.num_unroutable += 1
             return None
-        replica = self._by_pod[decision.endpoint]
+        replica = self._by_pod[target]
         self._in_flight[replica.index] += 1
         states[replica.index].in_flight += 1
         self.num_routed += 1
