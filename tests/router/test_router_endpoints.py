@@ -50,7 +50,9 @@ weird{label="x y"} notanumber
 
 
 def test_prometheus_gauges_skip_non_finite_samples():
-    text = "vllm:num_requests_waiting NaN\nvllm:num_requests_running +Inf\nvllm:kv_cache_usage_perc -Inf\nok 1\n"
+    text = (
+        "vllm:num_requests_waiting NaN\nvllm:num_requests_running +Inf\nvllm:kv_cache_usage_perc -Inf\nok 1\n"
+    )
     g = parse_prometheus_gauges(text)
     assert g == {"ok": 1.0}
 

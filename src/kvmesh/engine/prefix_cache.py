@@ -240,7 +240,9 @@ class PrefixCache:
             ValueError: ``alloc`` reserves fewer blocks.
         """
         if not 0 <= num_blocks <= alloc.num_reserved:
-            raise ValueError(f"cannot shrink {alloc.request_id} by {num_blocks}: {alloc.num_reserved} reserved")
+            raise ValueError(
+                f"cannot shrink {alloc.request_id} by {num_blocks}: {alloc.num_reserved} reserved"
+            )
         alloc.num_reserved -= num_blocks
         self.num_reserved -= num_blocks
 

@@ -19,9 +19,9 @@ scheduler the live records without copying.
 from __future__ import annotations
 
 import asyncio
-import math
 import contextlib
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit

@@ -16,11 +16,10 @@ an LRU-bounded ordered dict mutated only from the event loop (no locks).
 
 from __future__ import annotations
 
-import collections
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NewType, Protocol
 

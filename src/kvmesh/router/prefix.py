@@ -158,7 +158,9 @@ def match_prefix_keys(
                     mixed = True
                 total += 1
             pods[pod] = (
-                _tier_counts(holders_chain, pod, total) if mixed else PodMatch(total, {best_medium(first): total})
+                _tier_counts(holders_chain, pod, total)
+                if mixed
+                else PodMatch(total, {best_medium(first): total})
             )
         return result
     for pod, first in holders_chain[0].items():

@@ -143,7 +143,7 @@ def _run(args: argparse.Namespace) -> int:
             )
     runs = {k: r.run for k, r in reports.items()}
     if args.json:
-        out = {k: r.to_dict() for k, r in reports.items()}
+        out: dict[str, Any] = {k: r.to_dict() for k, r in reports.items()}
         if scenario is not None:
             out["published"] = {k: vars_of(v) for k, v in scenario.published.items()}
             out["headline"] = {

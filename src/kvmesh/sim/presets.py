@@ -9,8 +9,8 @@ simulated and measured figures next to each other.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvmesh.bench.workloads import SharedPrefixWorkload, Stage
@@ -203,7 +203,18 @@ LLMD_37_SCHEDULERS: dict[str, dict[str, Any]] = {
 }
 """37-capacity's weights: prefix 2, KV 1, queue 1 for both prefix schedulers (its README's configs)."""
 
-_STAGES_37 = [(9, 30), (3, 210), (4, 180), (5, 120), (6, 120), (8, 90), (10, 70), (12, 60), (15, 50), (20, 50)]
+_STAGES_37 = [
+    (9, 30),
+    (3, 210),
+    (4, 180),
+    (5, 120),
+    (6, 120),
+    (8, 90),
+    (10, 70),
+    (12, 60),
+    (15, 50),
+    (20, 50),
+]
 """37-capacity's constant-rate stages (QPS, seconds); the first is its warm-up."""
 
 LLMD_37 = ScenarioPreset(

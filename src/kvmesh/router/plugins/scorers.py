@@ -61,8 +61,8 @@ class PrecisePrefixScorer:
         pods = prefix.pods
         weights = self.tier_weights
         if len(pods) == 1:  # often the answer under prefix-aware routing: one pod holds it
-            ((holder, match),) = pods.items()
-            only = weighted_blocks(match, weights) / total
+            ((holder, held),) = pods.items()
+            only = weighted_blocks(held, weights) / total
             return [only if e.pod == holder else 0.0 for e in endpoints]
         return [
             0.0 if (match := pods.get(e.pod)) is None else weighted_blocks(match, weights) / total
