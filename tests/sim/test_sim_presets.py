@@ -64,16 +64,19 @@ def _stage(index: int, p90: float, tput: float) -> Summary:
 def test_stage_aggregation_reproduces_llmd_37_published_p90():
     s37 = get_scenario("llmd-37-capacity")
     assert s37.aggregation == "stages"
-    published = s37.published_stage_p90["approximate"]
-    assert published is not None
-    # warm-up first (excluded whatever its value), then the published per-stage p90s
-    stages = [_stage(0, 999.0, 1.0), *(_stage(i + 1, p, 100.0) for i, p in enumerate(published))]
-    headline = s37.aggregate(_stage(-1, 0.0, 0.0), stages)
-    assert headline.ttft_p90_s == pytest.approx(s37.published["approximate"].ttft_p90_s, abs=0.01)
-    assert headline.output_tok_s == pytest.approx(100.0)
-    # 37's resident set (83 groups × (8000 + 3 × 1000) tokens) ≈ 37% of the fleet's KV
-    resident = 83 * (8000 + 3 * 1000)
-    assert resident / (s37.fleet.num_replicas * s37.fleet.kv_capacity_tokens) == pytest.approx(0.37, abs=0.01)
+    for policy in ("precise", "approximate", "load", "random"):
+        published = s37.published_stage_p90[policy]
+        assert published is not None
+        # warm-up first (excluded whatever its value), then the published per-stage p90s
+        stages = [_stage(0, 999.0, 1.0), *(_stage(i + 1, p, 100.0) for i, p in enumerate(published))]
+        headline = s37.aggregate(_stage(-1, 0.0, 0.0), stages)
+        assert headline.ttft_p90_s == pytest.approx(s37.published[policy].ttft_p90_s, abs=0.01), policy
+        assert headline.output_tok_s == pytest.approx(100.0)
+    # llm-d's slot math: per pod, KV less 8 requests × 1500 ephemeral tokens, in 8000-token prefixes;
+    # 83 prefixes fill 37% of the fleet's slots
+    assert s37.fleet.kv_capacity_tokens is not None
+    slots = s37.fleet.num_replicas * ((s37.fleet.kv_capacity_tokens - 8 * 1500) // 8000)
+    assert slots == 224 and 83 / slots == pytest.approx(0.37, abs=0.005)
 
 
 def test_pooled_aggregation_reads_the_run_summary():

@@ -102,7 +102,7 @@ class ScenarioPreset:
     published: dict[str, Published] = field(default_factory=dict)
     notes: str = ""
     aggregation: Aggregation = "pooled"
-    """How the published table summarises a run (see :func:`headline`)."""
+    """How the published table summarises a run (see :meth:`aggregate`)."""
     published_stage_p90: dict[str, list[float] | None] = field(default_factory=dict)
     """Published per-stage p90 TTFT (warm-up excluded), where the benchmark's report gives them."""
 
@@ -136,10 +136,15 @@ PATH_LATENCY_S = 0.25
 has a ≈0.3 s floor even at 3 QPS, where the fleet is idle and every prompt is cached."""
 
 CLIENT_IN_FLIGHT = 1600
-"""inference-perf sends from a bounded pool of workers (the same client for both benchmarks): when the
-fleet falls behind, due requests wait at the client instead of piling up in the engines without bound
-(the published random/load TTFTs stay near 90 s while the fleet is overloaded for minutes). TTFT counts
-from the actual send."""
+"""inference-perf sends from a bounded pool: one worker per client CPU core, 100 requests in flight
+each. When the fleet falls behind, due requests wait at the client instead of piling up in the
+engines without bound (73's published random/load TTFTs stay near 90 s while the fleet is overloaded
+for minutes). TTFT counts from the actual send. 1600 is a 16-core client."""
+
+CLIENT_IN_FLIGHT_37 = 800
+"""37-capacity's client: 8 cores' worth. Its published waiting queues peak at 198–212 per pod under
+load/random; 800 is the smallest whole-core pool whose simulated peaks come near (156–195; 1000 gives
+210–242), where 1600 would let ~400 per pod wait."""
 
 PREFILL_MFU = 0.55
 """Upper end of the planning range (0.40–0.55): vLLM's chunked prefill of 6–8k-token prompts on H100."""
@@ -219,16 +224,17 @@ _STAGES_37 = [
 
 LLMD_37 = ScenarioPreset(
     name="llmd-37-capacity",
-    description="Llama-3.1-70B, 4 pods TP4 on H100, 617,000 KV tokens per pod; shared_prefix 83 groups × 3 "
-    "prompts, 8000 + 1000 tokens in, 1000 out, constant-rate stages 3–20 QPS; resident set ≈ 37% of fleet KV",
+    description="Llama-3.1-70B, 4 pods TP4 on H100, 461,376 KV tokens per pod; shared_prefix 83 groups × 3 "
+    "prompts, 8000 + 1000 tokens in, 1000 out, constant-rate stages 3–20 QPS; the 83 prefixes fill 37% of "
+    "the fleet's 224 prefix slots",
     fleet=FleetConfig(
         num_replicas=4,
         model_preset=_calibrated("llama-3.1-70b-h100-tp4"),
         block_size=64,
-        kv_capacity_tokens=617_000,
+        kv_capacity_tokens=461_376,  # measured: the benchmark's "KV_cap (effective, min TP rank)"
         metrics_interval_s=0.05,
         path_latency_s=PATH_LATENCY_S,
-        max_in_flight=CLIENT_IN_FLIGHT,
+        max_in_flight=CLIENT_IN_FLIGHT_37,
     ),
     workload=SharedPrefixWorkload(
         num_groups=83,
@@ -243,14 +249,17 @@ LLMD_37 = ScenarioPreset(
     ),
     schedulers=LLMD_37_SCHEDULERS,
     published={
-        "precise": Published(5650, 0.275),
-        "approximate": Published(5096, 7.54),
-        "load": Published(3018, 78.3),
-        "random": Published(2895, 84.6),
+        "precise": Published(5650.0, 0.275, 6.914, 0.193, 0.020, 0.2),
+        "approximate": Published(5096.2, 7.536, 6.915, 1.549, 0.023, 0.9),
+        "load": Published(3018.3, 78.303, 6.920, 41.058, 0.028, 34.2),
+        "random": Published(2895.4, 84.623, 6.914, 42.011, 0.028, 34.9),
     },
     aggregation="stages",
     published_stage_p90={
-        "approximate": [0.399, 0.70, 0.90, 0.79, 1.11, 1.31, 1.20, 1.90, 43.57],
+        "precise": [0.201, 0.277, 0.281, 0.281, 0.280, 0.282, 0.282, 0.288, 0.290],
+        "approximate": [0.399, 0.700, 0.900, 0.794, 1.110, 1.309, 1.199, 1.900, 43.568],
+        "load": [2.400, 16.101, 28.581, 59.389, 73.762, 86.063, 94.109, 114.672, 173.540],
+        "random": [1.502, 23.480, 41.795, 62.490, 78.656, 83.002, 98.661, 139.286, 176.975],
     },
 )
 
