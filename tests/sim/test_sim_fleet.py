@@ -1,5 +1,6 @@
 """Fleets: routing by the router's own scheduler, KV events into its index, the shared tier."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -109,3 +110,22 @@ def test_ttft_estimate_policy_runs_and_uses_the_cost_model():
 def test_other_presets_route_every_request(policy):
     rep = build_report(simulate(fleet(policy), shared_prefix(duration=3.0)))
     assert rep.summary.num_ok == rep.summary.num_requests > 0
+
+
+def test_drained_stages_start_after_the_previous_stage_finished():
+    wl = SharedPrefixWorkload(
+        num_groups=2, num_prompts_per_group=2, system_prompt_len=64, question_len=16, output_len=400,
+        stages=[Stage(4.0, 1.0), Stage(4.0, 1.0)], arrival="constant", seed=1,
+    )  # fmt: skip
+    cfg = FleetConfig(num_replicas=2, model_preset="llama-3.1-8b-h100", policy="round-robin")
+    open_loop = simulate(cfg, wl)
+    drained = simulate(dataclasses.replace(cfg, drain_stages=True), wl)
+    for run in (open_loop, drained):
+        assert len(run.requests) == 6 and all(r.failed is None for r in run.requests)
+    first_done = max(r.finish for r in drained.requests if r.stage == 0)
+    assert first_done > 1.0  # 400-token answers outlast the 1 s stage
+    second = sorted(r.arrival for r in drained.requests if r.stage == 1)
+    assert second[0] >= first_done
+    # the stage keeps its own spacing, only shifted
+    assert [b - a for a, b in itertools.pairwise(second)] == pytest.approx([0.25] * 2)
+    assert min(r.arrival for r in open_loop.requests if r.stage == 1) == pytest.approx(1.25)

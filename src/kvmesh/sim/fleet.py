@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -63,6 +64,9 @@ class FleetConfig:
         max_in_flight: the client's concurrency cap (inference-perf's workers): a request due while
             this many are in flight waits at the client and is sent when one finishes; TTFT counts
             from the actual send. ``None`` = open loop.
+        drain_stages: the client finishes each load stage before starting the next, as
+            inference-perf does: the next stage's schedule starts once every request of the
+            previous one is done (later arrivals shift by the wait).
         seed: seeds the scheduler's randomness.
     """
 
@@ -86,6 +90,7 @@ class FleetConfig:
     path_latency_s: float = 0.0
     request_timeout_s: float | None = None
     max_in_flight: int | None = None
+    drain_stages: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -217,6 +222,12 @@ class FleetSimulation:
         self._held: deque[SimRequest] = deque()
         self._source: Iterator[RequestSpec] | None = None
         self._index = 0
+        self._stage_starts: list[float] = []
+        self._stage_pending: dict[int, int] = {}
+        self._parked: RequestSpec | None = None
+        """The first request of the next stage, waiting for the current stage to drain."""
+        self._shift = 0.0
+        """How far drains have pushed the workload's schedule back."""
         self._direct = (
             config.max_in_flight is None and config.request_timeout_s is None and config.path_latency_s <= 0
         )
@@ -237,6 +248,8 @@ class FleetSimulation:
 
     def _on_done(self, req: SimRequest) -> None:
         self.router.done(req)
+        if self.config.drain_stages:
+            self._stage_done(req.stage)
         if self.config.max_in_flight is not None:
             self._in_flight -= 1
             if self._held:
@@ -256,17 +269,39 @@ class FleetSimulation:
                 self._busy_sessions.discard(session)
                 self._sessions.pop(session, None)
 
+    def _stage_done(self, stage: int) -> None:
+        left = self._stage_pending[stage] - 1
+        self._stage_pending[stage] = left
+        parked = self._parked
+        if left or parked is None or any(n for k, n in self._stage_pending.items() if k < parked.stage):
+            return
+        # The stage drained: the parked stage starts now instead of at its scheduled time.
+        self._parked = None
+        start = (
+            self._stage_starts[parked.stage] if parked.stage < len(self._stage_starts) else parked.arrival_s
+        )
+        self._shift = max(self._shift, self.loop.now - start)
+        self._schedule(parked)
+
     def _next_arrival(self) -> None:
         assert self._source is not None
         spec = next(self._source, None)
         if spec is None:
             self._source = None
             return
+        if self.config.drain_stages and any(n for k, n in self._stage_pending.items() if k < spec.stage):
+            self._parked = spec
+            return
+        self._schedule(spec)
+
+    def _schedule(self, spec: RequestSpec) -> None:
         tokens = spec.prompt_token_ids
+        if self.config.drain_stages:
+            self._stage_pending[spec.stage] = self._stage_pending.get(spec.stage, 0) + 1
         req = SimRequest(
             index=self._index,
             request_id=spec.request_id,
-            arrival=max(spec.arrival_s, self.loop.now),
+            arrival=max(spec.arrival_s + self._shift, self.loop.now),
             tokens=tokens,
             output_len=spec.output_len,
             keys=self._memo.keys(tokens, spec.prompt_id),
@@ -347,6 +382,7 @@ class FleetSimulation:
             raise RuntimeError("a FleetSimulation runs once; build a new one")
         stages = getattr(workload, "stages", None)
         self._stage_rates = [s.rate for s in stages] if stages else []
+        self._stage_starts = list(itertools.accumulate((s.duration for s in stages or []), initial=0.0))
         wall = time.perf_counter()
         self._source = iter(workload.requests())
         self._next_arrival()

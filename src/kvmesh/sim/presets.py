@@ -141,11 +141,6 @@ each. When the fleet falls behind, due requests wait at the client instead of pi
 engines without bound (73's published random/load TTFTs stay near 90 s while the fleet is overloaded
 for minutes). TTFT counts from the actual send. 1600 is a 16-core client."""
 
-CLIENT_IN_FLIGHT_37 = 800
-"""37-capacity's client: 8 cores' worth. Its published waiting queues peak at 198–212 per pod under
-load/random; 800 is the smallest whole-core pool whose simulated peaks come near (156–195; 1000 gives
-210–242), where 1600 would let ~400 per pod wait."""
-
 PREFILL_MFU = 0.55
 """Upper end of the planning range (0.40–0.55): vLLM's chunked prefill of 6–8k-token prompts on H100."""
 
@@ -220,7 +215,8 @@ _STAGES_37 = [
     (15, 50),
     (20, 50),
 ]
-"""37-capacity's constant-rate stages (QPS, seconds); the first is its warm-up."""
+"""37-capacity's constant-rate stages (QPS, seconds); the first is its warm-up. inference-perf finishes
+every request of a stage before it starts the next, which this preset simulates (``drain_stages``)."""
 
 LLMD_37 = ScenarioPreset(
     name="llmd-37-capacity",
@@ -229,12 +225,13 @@ LLMD_37 = ScenarioPreset(
     "the fleet's 224 prefix slots",
     fleet=FleetConfig(
         num_replicas=4,
-        model_preset=_calibrated("llama-3.1-70b-h100-tp4"),
+        model_preset="llama-3.1-70b-h100-tp4",
         block_size=64,
         kv_capacity_tokens=461_376,  # measured: the benchmark's "KV_cap (effective, min TP rank)"
         metrics_interval_s=0.05,
         path_latency_s=PATH_LATENCY_S,
-        max_in_flight=CLIENT_IN_FLIGHT_37,
+        max_in_flight=CLIENT_IN_FLIGHT,
+        drain_stages=True,
     ),
     workload=SharedPrefixWorkload(
         num_groups=83,
