@@ -39,6 +39,22 @@ def run(label: str, cfg: FleetConfig, workload: Workload) -> SimReport:
     return rep
 
 
+def with_and_without_shared_tier(
+    policies: tuple[str, ...], num_replicas: int, workload: Workload
+) -> dict[str, SimReport]:
+    """Each policy on a fleet of 64-token blocks, alone and over a 100 Gb/s shared tier, as table rows."""
+    out: dict[str, SimReport] = {}
+    for policy in policies:
+        for shared in (None, "redis"):
+            cfg = FleetConfig(
+                num_replicas=num_replicas, model_preset=MODEL, block_size=64, policy=policy,
+                shared_tier=shared, net_gbps=100.0,
+            )  # fmt: skip
+            label = f"{policy}{' + shared tier' if shared else ''}"
+            out[label] = run(label, cfg, workload)
+    return out
+
+
 HEADER = (
     "| fleet | TTFT mean s | TTFT p90 s | GPU hit | shared hit | total hit | shared read Gb/s | failed | sim wall |\n"
     "|---|---|---|---|---|---|---|---|---|"
@@ -57,19 +73,8 @@ def q1() -> dict[str, Any]:
             f"\n### {groups} system prompts × 6000 tokens ({groups * 6000 / 1e6:.2f} M tokens of prefixes)\n"
         )
         print(HEADER)
-        for policy in ("round-robin", "precise"):
-            for shared in (None, "redis"):
-                cfg = FleetConfig(
-                    num_replicas=3,
-                    model_preset=MODEL,
-                    block_size=64,
-                    policy=policy,
-                    shared_tier=shared,
-                    net_gbps=100.0,
-                )
-                label = f"{policy}{' + shared tier' if shared else ''}"
-                rep = run(label, cfg, wl)
-                out[f"{groups}/{label}"] = rep.to_dict()
+        for label, rep in with_and_without_shared_tier(("round-robin", "precise"), 3, wl).items():
+            out[f"{groups}/{label}"] = rep.to_dict()
     return out
 
 
@@ -81,20 +86,8 @@ def q2() -> dict[str, Any]:
     )  # fmt: skip
     print("\n### 20 replicas, 1000 req/s, 80% shared prefix (800 prefixes of 800 tokens)\n")
     print(HEADER)
-    out: dict[str, Any] = {}
-    for policy in ("random", "precise"):
-        for shared in (None, "redis"):
-            cfg = FleetConfig(
-                num_replicas=20,
-                model_preset=MODEL,
-                block_size=64,
-                policy=policy,
-                shared_tier=shared,
-                net_gbps=100.0,
-            )
-            label = f"{policy}{' + shared tier' if shared else ''}"
-            out[label] = run(label, cfg, wl).to_dict()
-    return out
+    reports = with_and_without_shared_tier(("random", "precise"), 20, wl)
+    return {label: rep.to_dict() for label, rep in reports.items()}
 
 
 def mooncake_trace(path: Path, *, rate: float, duration: float, groups: int, seed: int = 3) -> Path:

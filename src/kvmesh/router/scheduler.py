@@ -208,14 +208,20 @@ class Scheduler:
         """
         if self.pd is not None:
             raise ValueError("a P/D scheduler decides with pick()")
-        if request.prefix is None:
-            request.prefix = self.match(request)
-        healthy = endpoints if all(map(_HEALTHY, endpoints)) else [e for e in endpoints if e.healthy]
+        healthy = self._prepare(request, endpoints)
         if not healthy:
             return None
-        name = DEFAULT_PROFILE if DEFAULT_PROFILE in self.profiles else next(iter(self.profiles))
-        result = self._run(self.profiles[name], request, healthy)
+        result = self._run(self.profiles[self._default_profile_name()], request, healthy)
         return None if result is None else result.ranked
+
+    def _prepare(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[EndpointState]:
+        """Fill ``request.prefix`` from the index if needed; return the healthy endpoints."""
+        if request.prefix is None:
+            request.prefix = self.match(request)
+        return endpoints if all(map(_HEALTHY, endpoints)) else [e for e in endpoints if e.healthy]
+
+    def _default_profile_name(self) -> str:
+        return DEFAULT_PROFILE if DEFAULT_PROFILE in self.profiles else next(iter(self.profiles))
 
     def pick(self, request: RoutingRequest, endpoints: list[EndpointState]) -> Decision | None:
         """Choose where ``request`` goes.
@@ -227,13 +233,11 @@ class Scheduler:
         Returns:
             The decision, or ``None`` when no healthy endpoint passes the filters.
         """
-        if request.prefix is None:
-            request.prefix = self.match(request)
-        healthy = endpoints if all(map(_HEALTHY, endpoints)) else [e for e in endpoints if e.healthy]
+        healthy = self._prepare(request, endpoints)
         if not healthy:
             return None
         if self.pd is None:
-            name = DEFAULT_PROFILE if DEFAULT_PROFILE in self.profiles else next(iter(self.profiles))
+            name = self._default_profile_name()
             result = self._run(self.profiles[name], request, healthy)
             if result is None:
                 return None
@@ -243,6 +247,7 @@ class Scheduler:
         if decode is None:
             return None
         target = decode.ranked[0]
+        assert request.prefix is not None, "_prepare fills request.prefix"
         uncached = request.num_tokens - request.prefix.hit_tokens(target)
         prefill: PodId | None = None
         if uncached > pd.threshold:
