@@ -67,6 +67,18 @@ def main() -> None:
         published_stages = scenario.published_stage_p90.get(policy)
         if published_stages:
             print(f"  - published (after warm-up): {', '.join(f'{x:g}' for x in published_stages)}")
+    print("\nPeak KV-cache usage per stage, % (simulated; published read off the per-pod plots):\n")
+    for policy, rep in reports.items():
+        cells = ", ".join(
+            f"{st.offered_rate:g}: {peak * 100:.0f}"
+            for st, peak in zip(rep.run.stages, rep.stage_kv_peak, strict=True)
+            if st.offered_rate
+        )
+        print(f"- {policy}: {cells}")
+        published_kv = scenario.published_stage_kv_peak.get(policy)
+        if published_kv:
+            shown = ", ".join("–" if x is None else f"{x * 100:.0f}" for x in published_kv)
+            print(f"  - published (warm-up first): {shown}")
     runs = {k: r.run for k, r in reports.items()}
     if args.plots:
         name = scenario.name.replace("-", "_")

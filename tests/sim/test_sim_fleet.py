@@ -2,12 +2,14 @@
 
 import dataclasses
 import itertools
+from typing import Any
 
 import pytest
 from sim_helpers import ListWorkload, spec, tokens
 
 from kvmesh.bench.workloads import MultiTurnWorkload, SharedPrefixWorkload, Stage
 from kvmesh.engine.cost_model import CostModel, get_preset
+from kvmesh.errors import ConfigError
 from kvmesh.sim.fleet import FleetConfig, FleetSimulation, simulate
 from kvmesh.sim.report import build_report
 
@@ -23,7 +25,7 @@ def shared_prefix(
     )  # fmt: skip
 
 
-def fleet(policy: str, n: int = 4, **kw) -> FleetConfig:
+def fleet(policy: Any, n: int = 4, **kw) -> FleetConfig:
     return FleetConfig(num_replicas=n, model_preset=PRESET, policy=policy, **kw)
 
 
@@ -129,3 +131,53 @@ def test_drained_stages_start_after_the_previous_stage_finished():
     # the stage keeps its own spacing, only shifted
     assert [b - a for a, b in itertools.pairwise(second)] == pytest.approx([0.25] * 2)
     assert min(r.arrival for r in open_loop.requests if r.stage == 1) == pytest.approx(1.25)
+
+
+def _homes(run) -> int:
+    return len({(r.group, r.replica) for r in run.requests})
+
+
+def test_gateways_each_keep_their_own_approximate_history():
+    wl = shared_prefix(rate=20.0, duration=6.0, groups=16)
+    sticky = {  # prefix weight 2: one history never gives a group a second home
+        "plugins": [
+            {"type": "prefix-cache-scorer", "parameters": {"blockSize": 16}},
+            {"type": "queue-scorer"},
+            {"type": "max-score-picker"},
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [
+                    {"pluginRef": "prefix-cache-scorer", "weight": 2},
+                    {"pluginRef": "queue-scorer", "weight": 1},
+                    {"pluginRef": "max-score-picker"},
+                ],
+            }
+        ],
+    }
+    one = simulate(fleet(sticky), wl)
+    three = simulate(fleet(sticky, gateways=3), wl)
+    assert _homes(one) == 16
+    assert _homes(three) > 24  # each gateway homes the groups on its own
+    assert all(r.failed is None for r in three.requests)
+    per_gateway = three.router.routed_by_gateway
+    assert len(per_gateway) == 3 and sum(per_gateway) == len(three.requests) and min(per_gateway) > 0
+    assert {r.gateway for r in three.requests} == {0, 1, 2}
+    # every gateway's in-flight count came back to zero
+    assert all(s.in_flight == 0 for states in three.router._states for s in states)
+
+
+def test_gateways_share_the_event_fed_index():
+    wl = shared_prefix(rate=20.0, duration=6.0)
+    one = build_report(simulate(fleet("precise"), wl))
+    two_run = simulate(fleet("precise", gateways=2), wl)
+    assert {id(s.index) for s in two_run.router.schedulers} == {id(two_run.router.index)}
+    two = build_report(two_run)
+    assert two.summary.hit_rate == pytest.approx(one.summary.hit_rate, abs=0.03)
+
+
+def test_one_gateway_is_the_default_and_zero_is_refused():
+    assert fleet("precise").gateways == 1
+    with pytest.raises(ConfigError, match="gateways"):
+        fleet("precise", gateways=0)

@@ -32,6 +32,12 @@ def test_presets_are_complete():
     assert resident / (s73.fleet.num_replicas * s73.fleet.kv_capacity_tokens) == pytest.approx(0.73, abs=0.01)
     with pytest.raises(ConfigError, match="llmd-73-capacity"):
         get_scenario("llmd-99")
+    s37 = get_scenario("llmd-37-capacity")
+    assert s37.fleet.gateways == 2 and s73.fleet.gateways == 1
+    stages = s37.workload.stages or []
+    for peaks in s37.published_stage_kv_peak.values():
+        assert len(peaks) == len(stages)  # warm-up included
+        assert all(p is None or 0 < p <= 1 for p in peaks)
 
 
 @pytest.mark.slow

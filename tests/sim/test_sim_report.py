@@ -7,6 +7,7 @@ import pytest
 from sim_helpers import ListWorkload, spec, tokens
 
 from kvmesh.bench.metrics import Dist
+from kvmesh.bench.workloads import SharedPrefixWorkload, Stage
 from kvmesh.sim.fleet import FleetConfig, simulate
 from kvmesh.sim.report import build_report, weighted_dist
 
@@ -45,3 +46,19 @@ def test_report_has_bench_metrics_and_fleet_figures():
     assert blob["summary"]["num_ok"] == 40
     assert set(blob["hit_rate_by_tier"]) == {"gpu", "cpu", "shared", "total"}
     assert blob["network"]["write_bytes"] > 0
+
+
+def test_kv_peak_per_stage_rises_with_the_load():
+    wl = SharedPrefixWorkload(
+        num_groups=8, num_prompts_per_group=4, system_prompt_len=512, question_len=64, output_len=200,
+        stages=[Stage(2.0, 8.0), Stage(30.0, 8.0)], arrival="constant", seed=2,
+    )  # fmt: skip
+    cfg = FleetConfig(
+        num_replicas=2, model_preset="tiny-h100", policy="round-robin", kv_capacity_tokens=40_000,
+        queue_sample_interval_s=0.05,
+    )  # fmt: skip
+    rep = build_report(simulate(cfg, wl))
+    low, high = rep.stage_kv_peak
+    assert len(rep.stage_kv_peak) == len(rep.run.stages) == 2
+    assert 0 < low < high <= 1
+    assert json.loads(json.dumps(rep.to_dict()))["stage_kv_peak"] == [low, high]

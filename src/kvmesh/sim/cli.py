@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -63,6 +64,13 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
         "--timeout", type=float, default=None, help="client timeout per request (seconds from send)"
     )
     p.add_argument("--gpu-hour-usd", type=float, default=2.5)
+    p.add_argument(
+        "--gateways",
+        type=int,
+        default=None,
+        help="router replicas behind a random load balancer, each with its own plugin state "
+        "(default 1; with --preset, the preset's)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
@@ -83,6 +91,7 @@ def _base_config(args: argparse.Namespace, num_replicas: int, policy: Any) -> An
         store_gbps=args.store_gbps,
         request_timeout_s=args.timeout,
         gpu_hour_usd=args.gpu_hour_usd,
+        gateways=1 if args.gateways is None else args.gateways,
         seed=args.seed,
     )
 
@@ -110,6 +119,8 @@ def _run(args: argparse.Namespace) -> int:
             scenario = get_scenario(args.preset)
             workload: Any = scenario.workload
             configs = {p: scenario.fleet_for(p) for p in policies}
+            if args.gateways is not None:
+                configs = {p: dataclasses.replace(c, gateways=args.gateways) for p, c in configs.items()}
         else:
             if not args.workload or not args.replicas:
                 return _err("give --preset, or --workload and --replicas (see kvmesh sim --help)")

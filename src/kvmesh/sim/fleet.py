@@ -67,6 +67,9 @@ class FleetConfig:
         drain_stages: the client finishes each load stage before starting the next, as
             inference-perf does: the next stage's schedule starts once every request of the
             previous one is done (later arrivals shift by the wait).
+        gateways: router replicas behind a load balancer that picks one at random per request.
+            They share the event-fed index (each subscribes to every engine); each keeps its own
+            plugin state, so an approximate scorer's routing history is split between them.
         seed: seeds the scheduler's randomness.
     """
 
@@ -91,6 +94,7 @@ class FleetConfig:
     request_timeout_s: float | None = None
     max_in_flight: int | None = None
     drain_stages: bool = False
+    gateways: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -98,6 +102,8 @@ class FleetConfig:
             raise ConfigError(f"num_replicas must be positive, got {self.num_replicas}")
         if self.net_gbps <= 0:
             raise ConfigError(f"net_gbps must be positive, got {self.net_gbps}")
+        if self.gateways < 1:
+            raise ConfigError(f"gateways must be at least 1, got {self.gateways}")
         if self.shared_tier is not None and self.shared_tier not in ("redis", "valkey", "fs", "shared"):
             raise ConfigError(f"shared_tier must be redis, valkey, fs or shared, got {self.shared_tier!r}")
 
@@ -124,6 +130,8 @@ class FleetRun:
     shared: SharedStore | None
     router: SimRouter
     queue_samples: list[tuple[float, list[int], list[int]]]
+    kv_samples: list[tuple[float, list[float]]]
+    """Each replica's ``kv_cache_usage_perc`` (0..1), sampled with the queues."""
     stage_rates: list[float]
     duration_s: float
     wall_s: float
@@ -211,6 +219,7 @@ class FleetSimulation:
             block_size=config.block_size,
             seed=config.seed,
             metrics_interval_s=config.metrics_interval_s,
+            gateways=config.gateways,
         )
         self._memo = _KeyMemo(self.replicas[0].cache)
         self._done: list[SimRequest] = []
@@ -233,6 +242,7 @@ class FleetSimulation:
         )
         """No client cap, timeout or path latency: a sent request goes straight to the router."""
         self._queue: list[tuple[float, list[int], list[int]]] = []
+        self._kv: list[tuple[float, list[float]]] = []
         self._stage_rates: list[float] = []
         self.on_progress: Callable[[int], None] | None = None
         """Called with the number of requests done after each one finishes (for progress displays)."""
@@ -367,6 +377,7 @@ class FleetSimulation:
         self._queue.append(
             (now, [r.num_waiting for r in self.replicas], [r.num_running for r in self.replicas])
         )
+        self._kv.append((now, [r.kv_usage for r in self.replicas]))
         if self._source is not None or self._pending > 0:
             self.loop.call_later(self.config.queue_sample_interval_s, self._sample_queue)
 
@@ -410,6 +421,7 @@ class FleetSimulation:
             shared=self.shared,
             router=self.router,
             queue_samples=self._queue,
+            kv_samples=self._kv,
             stage_rates=self._stage_rates,
             duration_s=end,
             wall_s=wall,

@@ -58,6 +58,8 @@ class SimRequest:
     group: str | None = None
     reusable: int = 0
     replica: int = -1
+    gateway: int = 0
+    """The router replica that routed it (see ``FleetConfig.gateways``)."""
     # progress (owned by the replica)
     target: int = 0
     computed: int = 0

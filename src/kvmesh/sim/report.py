@@ -14,7 +14,7 @@ measured one. Two figures are computed here instead:
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -124,6 +124,9 @@ class SimReport:
     wall_s: float
     num_events: int
     num_preemptions: int
+    stage_kv_peak: list[float] = field(default_factory=list)
+    """Per entry of ``run.stages``: the highest KV usage (0..1) any replica was sampled at (every
+    ``queue_sample_interval_s``), from the stage's first arrival to the next stage's, drain included."""
 
     @property
     def summary(self) -> Summary:
@@ -144,6 +147,7 @@ class SimReport:
                 "wall_s": self.wall_s,
                 "num_events": self.num_events,
                 "num_preemptions": self.num_preemptions,
+                "stage_kv_peak": self.stage_kv_peak,
             }
         )
         return out
@@ -251,7 +255,25 @@ def build_report(run: FleetRun, label: str | None = None) -> SimReport:
         wall_s=run.wall_s,
         num_events=run.num_events,
         num_preemptions=sum(x.num_preemptions for x in replicas),
+        stage_kv_peak=_stage_kv_peak(run, stages),
     )
+
+
+def _stage_kv_peak(run: FleetRun, stages: list[Summary]) -> list[float]:
+    firsts: dict[int, float] = {}
+    for q in run.requests:
+        if q.arrival < firsts.get(q.stage, float("inf")):
+            firsts[q.stage] = q.arrival
+    starts = sorted(firsts.values())
+    out = []
+    for s in stages:
+        lo = firsts.get(s.stage if s.stage is not None else -1)
+        if lo is None:
+            out.append(0.0)
+            continue
+        hi = next((t for t in starts if t > lo), float("inf"))
+        out.append(max((max(u) for t, u in run.kv_samples if lo <= t < hi and u), default=0.0))
+    return out
 
 
 def _stage_itl(run: FleetRun, stages: list[Summary]) -> list[Dist]:

@@ -86,12 +86,22 @@ def resolve_policy(policy: str | Mapping[str, Any]) -> dict[str, Any]:
 class SimRouter:
     """Routes simulated requests with the router's scheduler.
 
+    With ``gateways`` > 1 the fleet sits behind that many router replicas and a load balancer that
+    sends each request to one of them at random. Every replica subscribes to every engine's KV events,
+    so the event-fed index is one shared index; what each replica keeps to itself is the state of its
+    own plugins (the approximate scorer's routing history, round-robin position, random source) and
+    its in-flight counts.
+
     Args:
         scheduler_config: parsed scheduler YAML (``plugins`` + ``schedulingProfiles``).
         replicas: the fleet, in pod order.
         block_size: the engines' block size (the index and scheduler use the same).
         seed: seeds the scheduler's random source.
         metrics_interval_s: staleness of the queue / KV-usage gauges the scorers see.
+        gateways: router replicas in front of the fleet.
+
+    Raises:
+        ConfigError: ``gateways`` below 1.
     """
 
     def __init__(
@@ -102,28 +112,40 @@ class SimRouter:
         block_size: int,
         seed: int = 0,
         metrics_interval_s: float = 0.05,
+        gateways: int = 1,
     ) -> None:
+        if gateways < 1:
+            raise ConfigError(f"gateways must be at least 1, got {gateways}")
         # Unbounded: the replicas report every eviction, so it never outgrows their caches.
         self.index = InMemoryIndex(capacity=None)
         self.applier = EventApplier(self.index, model=SIM_MODEL, block_size=block_size, algo=SIM_HASH_ALGO)
-        self.scheduler = Scheduler.from_config(
-            scheduler_config,
-            index=self.index,
-            block_size=block_size,
-            hash_algo=SIM_HASH_ALGO,
-            rng=random.Random(seed),
-        )
+        self.schedulers = [
+            Scheduler.from_config(
+                scheduler_config,
+                index=self.index,
+                block_size=block_size,
+                hash_algo=SIM_HASH_ALGO,
+                rng=random.Random(seed if g == 0 else f"{seed}/gateway/{g}"),
+            )
+            for g in range(gateways)
+        ]
+        self._balancer = random.Random(f"{seed}/balancer")
         self.namespace = self.applier.namespace()
         self.block_size = block_size
         self.replicas = list(replicas)
         self._by_pod = {r.pod: r for r in self.replicas}
         self.metrics_interval_s = metrics_interval_s
-        self._states = [EndpointState(r.pod) for r in self.replicas]
-        self._in_flight = [0] * len(self.replicas)
-        """Requests routed and not done, per replica (mirrored in each state's ``in_flight``)."""
+        self._states = [[EndpointState(r.pod) for r in self.replicas] for _ in range(gateways)]
+        """Each gateway's view of the endpoints: shared scraped gauges, its own ``in_flight``."""
         self._scraped_at = -1.0
         self.num_routed = 0
         self.num_unroutable = 0
+        self.routed_by_gateway = [0] * gateways
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The first gateway's scheduler (the only one when there is one gateway)."""
+        return self.schedulers[0]
 
     def on_events(self, pod: PodId, events: list[KVEvent]) -> None:
         """Apply a replica's KV events to the index (the subscriber's job in a live router)."""
@@ -132,36 +154,40 @@ class SimRouter:
             apply(pod, event)
 
     def _scrape(self, now: float) -> None:
-        for state, replica in zip(self._states, self.replicas, strict=True):
-            state.waiting = replica.num_waiting
-            state.running = replica.num_running
-            state.kv_cache_usage = replica.kv_usage
+        for i, replica in enumerate(self.replicas):
+            waiting, running, usage = replica.num_waiting, replica.num_running, replica.kv_usage
+            for states in self._states:
+                state = states[i]
+                state.waiting = waiting
+                state.running = running
+                state.kv_cache_usage = usage
         self._scraped_at = now
 
     def route(self, req: SimRequest, now: float) -> SimReplica | None:
         """Pick the replica for ``req``; ``None`` if the scheduler finds no endpoint."""
         if now - self._scraped_at >= self.metrics_interval_s:
             self._scrape(now)
-        states = self._states
+        gateway = 0 if len(self.schedulers) == 1 else self._balancer.randrange(len(self.schedulers))
+        scheduler, states = self.schedulers[gateway], self._states[gateway]
         prefix = match_prefix_keys(self.index, req.keys, len(req.keys), self.block_size)
         request = RoutingRequest(req.request_id, req.tokens, self.namespace, prefix=prefix)
-        if self.scheduler.pd is None:
-            ranked = self.scheduler.rank(request, states)
+        if scheduler.pd is None:
+            ranked = scheduler.rank(request, states)
             target = None if not ranked else ranked[0]
         else:
-            decision = self.scheduler.pick(request, states)
+            decision = scheduler.pick(request, states)
             target = None if decision is None else decision.endpoint
         if target is None:
             self.num_unroutable += 1
             return None
         replica = self._by_pod[target]
-        self._in_flight[replica.index] += 1
+        req.gateway = gateway
         states[replica.index].in_flight += 1
         self.num_routed += 1
+        self.routed_by_gateway[gateway] += 1
         return replica
 
     def done(self, req: SimRequest) -> None:
         """The router saw ``req``'s response end."""
         if req.replica >= 0:
-            self._in_flight[req.replica] -= 1
-            self._states[req.replica].in_flight -= 1
+            self._states[req.gateway][req.replica].in_flight -= 1
