@@ -228,7 +228,7 @@ With weights 2/1/1 a single approximate routing history pins each prefix group t
 went to: that pod's prefix score (2) beats any load advantage (at most 2, and only against an idle
 pod), so no group ever gets a second home and the approximate pods would hold *less* KV than the
 precise ones (event lag gives precise a few second homes). The report shows the reverse: from 8 QPS
-the approximate pods peak at 81–100 % KV, the precise ones at 72–74 %. Two gateways, each with its
+the approximate pods peak at 81–100 % KV, the precise ones at 70–73 %. Two gateways, each with its
 own history, give each group about two homes, and the simulated KV peaks then follow the published
 ones stage by stage (docs/benchmarks/sim.md); precise, load and random barely change, as their
 routing keeps no history."""
