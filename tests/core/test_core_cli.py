@@ -27,6 +27,61 @@ def test_hash_command_modes(capsys):
     assert [int(x) for x in capsys.readouterr().out.split()] == expected_u64
 
 
+# vLLM 0.32's own hashes (Request + get_request_block_hasher, sha256_cbor; PYTHONHASHSEED=0) for
+# tokens 100..107, block size 4, LoRA "adapter-a" at "/loras/a", cache_salt "tenant-1".
+VLLM_LORA_SALT_SEED0 = [
+    "42ded1f84d46bf3808866c5827c7ce94e1db9267d904ff634ac5d8655bfcec3a",
+    "385fff69c2287c0a0d559a48fcb844ffe97387cec17f56ffd181c6d7e083c998",
+]
+
+
+def test_hash_command_reproduces_vllm_lora_and_salt(capsys):
+    toks = [str(t) for t in range(100, 108)]
+    args = ["hash", "--algo", "vllm-sha256-cbor", "--block-size", "4", "--seed", "0", *toks]
+    lora = ["--lora", "adapter-a", "--lora-path", "/loras/a", "--cache-salt", "tenant-1"]
+    assert main([*args, *lora]) == 0
+    assert [int(x) for x in capsys.readouterr().out.split()] == [
+        int(h[-16:], 16) for h in VLLM_LORA_SALT_SEED0
+    ]
+    assert main([*args, *lora, "--format", "hex"]) == 0
+    assert capsys.readouterr().out.split() == VLLM_LORA_SALT_SEED0
+
+    # Older vLLM's untagged keys: bare name then salt, no path.
+    assert main([*args, "--lora", "adapter-a", "--cache-salt", "tenant-1", "--legacy-extra-keys"]) == 0
+    legacy = vllm_block_hashes(
+        list(range(100, 108)),
+        4,
+        seed="0",
+        lora_name="adapter-a",
+        cache_salt="tenant-1",
+        legacy_extra_keys=True,
+    )
+    assert [int(x) for x in capsys.readouterr().out.split()] == [to_wire_u64(h) for h in legacy]
+
+
+def test_hash_command_seed_defaults_like_vllm(capsys, monkeypatch):
+    toks = [str(t) for t in range(8)]
+    args = ["hash", "--algo", "vllm-sha256-cbor", "--block-size", "4", "--format", "hex", *toks]
+    monkeypatch.setenv("PYTHONHASHSEED", "")  # set but empty: vLLM hashes the empty string
+    assert main(args) == 0
+    assert capsys.readouterr().out.split() == [h.hex() for h in vllm_block_hashes(list(range(8)), 4, seed="")]
+    monkeypatch.delenv("PYTHONHASHSEED")
+    assert main(args) == 0
+    expected = vllm_block_hashes(list(range(8)), 4, seed="vllm-none-hash")
+    assert capsys.readouterr().out.split() == [h.hex() for h in expected]
+    assert main([*args, "--seed", ""]) == 0
+    assert capsys.readouterr().out.split() == [h.hex() for h in vllm_block_hashes(list(range(8)), 4, seed="")]
+
+
+def test_hash_command_refuses_a_lora_without_its_path(capsys):
+    toks = [str(t) for t in range(8)]
+    assert main(["hash", "--algo", "vllm-sha256-cbor", "--lora", "a", *toks]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "--lora-path" in captured.err
+    assert main(["hash", "--algo", "vllm-sha256-cbor", "--lora-path", "/p", *toks]) == 2
+    assert "needs --lora" in capsys.readouterr().err
+
+
 def test_events_decode_prints_one_json_object_per_event(tmp_path, capsys):
     good = tmp_path / "good.msgpack"
     good.write_bytes(

@@ -22,9 +22,11 @@ def paged_cache(
 ) -> list[torch.Tensor]:
     """One zeroed (or ``fill``-ed) paged cache tensor per layer."""
     if layout is PagedLayout.KV_FIRST:
-        shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-    else:
+        shape: tuple[int, ...] = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    elif layout is PagedLayout.BLOCKS_FIRST:
         shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
+    else:
+        shape = (num_blocks, num_kv_heads, block_size, 2 * head_dim)
     value = 0.0 if fill is None else fill
     return [torch.full(shape, value, dtype=dtype) for _ in range(num_layers)]
 
@@ -43,6 +45,16 @@ def request_kv(
     return torch.randn((num_layers, 2, num_kv_heads, num_tokens, head_dim), generator=gen).to(dtype)
 
 
+def _element(layer: torch.Tensor, layout: PagedLayout, k_or_v: int, block: int, offset: int) -> torch.Tensor:
+    """The (heads, dim) view of one token's K or V, by the layout's definition."""
+    if layout is PagedLayout.KV_FIRST:
+        return layer[k_or_v, block, offset]
+    if layout is PagedLayout.BLOCKS_FIRST:
+        return layer[block, k_or_v, offset]
+    dim = layer.shape[3] // 2
+    return layer[block, :, offset, k_or_v * dim : (k_or_v + 1) * dim]
+
+
 def write_request(
     layers: Sequence[torch.Tensor],
     layout: PagedLayout,
@@ -55,11 +67,7 @@ def write_request(
         for t in range(kv.shape[3]):
             block, offset = block_ids[t // block_size], t % block_size
             for k_or_v in range(2):
-                values = kv[layer_idx, k_or_v, :, t, :]
-                if layout is PagedLayout.KV_FIRST:
-                    layer[k_or_v, block, offset] = values
-                else:
-                    layer[block, k_or_v, offset] = values
+                _element(layer, layout, k_or_v, block, offset).copy_(kv[layer_idx, k_or_v, :, t, :])
 
 
 def read_request(
@@ -70,16 +78,16 @@ def read_request(
     num_tokens: int,
 ) -> torch.Tensor:
     """Read tokens 0..num_tokens-1 back, element by element."""
-    num_heads, head_dim = layers[0].shape[3], layers[0].shape[4]
+    if layout is PagedLayout.HEADS_KV_CONCAT:
+        num_heads, head_dim = layers[0].shape[1], layers[0].shape[3] // 2
+    else:
+        num_heads, head_dim = layers[0].shape[3], layers[0].shape[4]
     out = torch.empty((len(layers), 2, num_heads, num_tokens, head_dim), dtype=layers[0].dtype)
     for layer_idx, layer in enumerate(layers):
         for t in range(num_tokens):
             block, offset = block_ids[t // block_size], t % block_size
             for k_or_v in range(2):
-                if layout is PagedLayout.KV_FIRST:
-                    out[layer_idx, k_or_v, :, t, :] = layer[k_or_v, block, offset]
-                else:
-                    out[layer_idx, k_or_v, :, t, :] = layer[block, k_or_v, offset]
+                out[layer_idx, k_or_v, :, t, :] = _element(layer, layout, k_or_v, block, offset)
     return out
 
 

@@ -19,7 +19,7 @@ from kvmesh.integrations.paged_kv import (
     token_slots,
 )
 
-LAYOUTS = [PagedLayout.KV_FIRST, PagedLayout.BLOCKS_FIRST]
+LAYOUTS = list(PagedLayout)
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
@@ -42,9 +42,10 @@ def test_detect_geometry_ambiguous_shape_needs_a_layout() -> None:
 @pytest.mark.parametrize(
     ("shape", "dtype", "message"),
     [
-        ((2, 4, 8, 2, 8), torch.float16, "got"),  # block size 8 is not the engine's 16
+        ((2, 4, 12, 2, 8), torch.float16, "do not divide"),  # 12-token blocks in 16-token pages
+        ((2, 3, 8, 2, 8), torch.float16, "whole number"),  # 3 kernel blocks of 8 ≠ k pages of 16
         ((3, 4, 16, 2, 8), torch.float16, "no K/V axis"),
-        ((4, 16, 2, 8), torch.float16, "must be"),
+        ((4, 16, 8), torch.float16, "4-D or 5-D"),
         ((2, 4, 16, 2, 8), torch.int8, "float32, float16 or bfloat16"),
     ],
 )
@@ -147,7 +148,9 @@ def test_store_array_dtype_mismatch_is_an_error() -> None:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_permuted_strides_hnd_cache_round_trips(layout: PagedLayout) -> None:
     """A cache whose memory is heads-before-tokens (vLLM's HND) but whose logical shape is the usual one."""
-    if layout is PagedLayout.KV_FIRST:
+    if layout is PagedLayout.HEADS_KV_CONCAT:
+        layers = [torch.zeros((12, 16, 2, 16), dtype=torch.float16).permute(0, 2, 1, 3) for _ in range(3)]
+    elif layout is PagedLayout.KV_FIRST:
         layers = [
             torch.zeros((2, 12, 2, 16, 8), dtype=torch.float16).permute(0, 1, 3, 2, 4) for _ in range(3)
         ]
@@ -175,3 +178,70 @@ def test_gather_into_a_given_buffer() -> None:
     assert bool((out[:, :, :, :16] == 0).all())
     with pytest.raises(ValueError, match="out must be"):
         gather(layers, g, token_slots([3, 4], 16, 0, 32), out=out)
+
+
+# vLLM >= 0.32 hands every attention backend logical [B, H, N, C] views of one allocation whose
+# physical axis order is a KVCacheLayout stride permutation over [L, B, H, N, C] (RFC 42082).
+VLLM_STRIDE_ORDERS = {
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
+
+
+def vllm_views(
+    order: tuple[int, ...], *, num_layers: int, num_blocks: int, heads: int, tokens: int, content: int
+) -> list[torch.Tensor]:
+    """Per-layer logical [B, H, N, C] views of one buffer laid out physically in ``order``."""
+    logical = (num_layers, num_blocks, heads, tokens, content)
+    physical = torch.zeros(tuple(logical[d] for d in order), dtype=torch.bfloat16)
+    inverse = [order.index(d) for d in range(5)]
+    view = physical.permute(*inverse)
+    assert tuple(view.shape) == logical
+    return [view[layer] for layer in range(num_layers)]
+
+
+@pytest.mark.parametrize("order_name", sorted(VLLM_STRIDE_ORDERS))
+def test_vllm_logical_views_round_trip_in_every_stride_order(order_name: str) -> None:
+    layers = vllm_views(
+        VLLM_STRIDE_ORDERS[order_name], num_layers=3, num_blocks=12, heads=2, tokens=16, content=16
+    )
+    g = detect_geometry(layers[0], 16, PagedLayout.HEADS_KV_CONCAT, num_kv_heads=2, head_dim=8)
+    check_layers(layers, g)
+    block_ids = [11, 0, 5]
+    kv = request_kv(44, seed=4)
+    scatter(layers, g, token_slots(block_ids, 16, 0, 44), kv)
+    # K lands in content[:8] and V in content[8:], by the layout's definition, not by paged_kv's.
+    assert torch.equal(bits(read_request(layers, PagedLayout.HEADS_KV_CONCAT, block_ids, 16, 44)), bits(kv))
+    assert torch.equal(bits(layers[1][0, 1, 3, :8]), bits(kv[1, 0, 1, 16 + 3]))
+    assert torch.equal(bits(layers[1][0, 1, 3, 8:]), bits(kv[1, 1, 1, 16 + 3]))
+    assert torch.equal(bits(gather(layers, g, token_slots(block_ids, 16, 0, 44))), bits(kv))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kernel_blocks_that_split_scheduler_blocks(layout: PagedLayout) -> None:
+    """128-token scheduler blocks held as 4 kernel blocks of 32: block b is kernel blocks 4b..4b+3."""
+    layers = paged_cache(layout, num_blocks=24, block_size=32)
+    g = detect_geometry(layers[0], 128, layout)
+    assert (g.block_size, g.tensor_block_size, g.num_blocks, g.num_slots) == (128, 32, 24, 768)
+    block_ids = [5, 1]
+    kernel_ids = [b * 4 + j for b in block_ids for j in range(4)]
+    kv = request_kv(200, seed=5)
+    scatter(layers, g, token_slots(block_ids, 128, 0, 200), kv)
+    assert torch.equal(bits(read_request(layers, layout, kernel_ids, 32, 200)), bits(kv))
+    assert torch.equal(bits(gather(layers, g, token_slots(block_ids, 128, 60, 200))), bits(kv[:, :, :, 60:]))
+    with pytest.raises(ValueError, match="slots must lie"):
+        gather(layers, g, token_slots([6], 128, 0, 1))
+
+
+def test_declared_facts_are_checked_with_the_backend_named() -> None:
+    layer = torch.zeros((12, 2, 16, 16), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"CPU_ATTN.*2 KV heads, the model 4"):
+        detect_geometry(layer, 16, PagedLayout.HEADS_KV_CONCAT, num_kv_heads=4, source="CPU_ATTN")
+    with pytest.raises(ValueError, match="different head sizes"):
+        detect_geometry(layer, 16, PagedLayout.HEADS_KV_CONCAT, head_dim=6)
+    with pytest.raises(ValueError, match="must be \\[blocks, heads"):
+        detect_geometry(torch.zeros((2, 12, 16, 2, 8)), 16, PagedLayout.HEADS_KV_CONCAT)

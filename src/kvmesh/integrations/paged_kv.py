@@ -2,16 +2,25 @@
 
 A paged cache keeps each layer's KV in fixed-size blocks; a request owns a list of block ids, and
 token ``t`` of the request lives in block ``block_ids[t // block_size]`` at offset
-``t % block_size`` (its *slot* is ``block_id * block_size + offset``). Two per-layer layouts are
-supported, both indexed logically (a permuted stride order, such as vLLM's HND, is transparent)::
+``t % block_size`` (its *slot* is ``block_id * block_size + offset``). Three per-layer layouts are
+supported, all indexed logically (a permuted stride order, such as vLLM's HND or any
+``KVCacheLayout`` stride permutation, is transparent)::
 
-    KV_FIRST      [2, num_blocks, block_size, num_kv_heads, head_dim]   FlashAttention
-    BLOCKS_FIRST  [num_blocks, 2, block_size, num_kv_heads, head_dim]   FlashInfer
+    KV_FIRST         [2, num_blocks, block_size, num_kv_heads, head_dim]    vLLM ≤ 0.31 FlashAttention
+    BLOCKS_FIRST     [num_blocks, 2, block_size, num_kv_heads, head_dim]    vLLM ≤ 0.31 FlashInfer
+    HEADS_KV_CONCAT  [num_blocks, num_kv_heads, block_size, 2 * head_dim]   vLLM ≥ 0.32, every backend
+                      K is content[:head_dim], V is content[head_dim:]       (logical [B, H, N, C] views)
+
+The attention kernel may split each scheduler block into ``block_size // kernel_block_size``
+kernel blocks (vLLM does when a backend supports only smaller blocks); the tensor then holds
+kernel blocks, and scheduler block ``b`` is kernel blocks ``b * r .. b * r + r - 1``. A slot is the
+same number in both views, so only the split of a slot into (block, offset) uses the kernel size.
 
 The store speaks one array per token range shaped ``(L, 2, H, T, D)``, with bfloat16 carried as
 uint16 bit patterns (numpy has no bfloat16)::
 
     store kv[l, k_or_v, h, t, d]  <->  layer_l[k_or_v, block(t), offset(t), h, d]   (KV_FIRST)
+                                  <->  layer_l[block(t), h, offset(t), k_or_v * D + d] (HEADS_KV_CONCAT)
 """
 
 from __future__ import annotations
@@ -31,10 +40,11 @@ _STORE_DTYPES: dict[torch.dtype, str] = {
 
 
 class PagedLayout(StrEnum):
-    """Where the K/V axis sits in one layer's paged cache tensor."""
+    """How one layer's paged cache tensor orders its logical axes."""
 
     KV_FIRST = "kv_first"
     BLOCKS_FIRST = "blocks_first"
+    HEADS_KV_CONCAT = "heads_kv_concat"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,12 +52,13 @@ class PagedGeometry:
     """Shape facts shared by every layer of one paged cache.
 
     Attributes:
-        layout: where the K/V axis is.
-        num_blocks: blocks per layer.
-        block_size: tokens per block.
+        layout: how the axes are ordered.
+        num_blocks: blocks per layer tensor (kernel blocks when the kernel splits blocks).
+        block_size: tokens per scheduler block (what request block ids count in).
         num_kv_heads: KV heads held by this worker.
-        head_dim: values per head.
+        head_dim: values per head (K and V alike).
         dtype: the cache's torch dtype.
+        kernel_block_size: tokens per block of the tensor; 0 means ``block_size``.
     """
 
     layout: PagedLayout
@@ -56,6 +67,17 @@ class PagedGeometry:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    kernel_block_size: int = 0
+
+    @property
+    def tensor_block_size(self) -> int:
+        """Tokens per block of the layer tensors."""
+        return self.kernel_block_size or self.block_size
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots per layer."""
+        return self.num_blocks * self.tensor_block_size
 
     @property
     def store_dtype(self) -> str:
@@ -75,38 +97,89 @@ def store_dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def detect_geometry(layer: torch.Tensor, block_size: int, layout: PagedLayout | None = None) -> PagedGeometry:
+def detect_geometry(
+    layer: torch.Tensor,
+    block_size: int,
+    layout: PagedLayout | None = None,
+    *,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    source: str = "",
+) -> PagedGeometry:
     """Read the geometry of one layer's paged cache.
 
     Args:
-        layer: a 5-D paged cache tensor.
-        block_size: tokens per block (the engine's setting; it disambiguates the shape).
-        layout: force a layout; detected from the shape when ``None``.
+        layer: a 4-D (``HEADS_KV_CONCAT``) or 5-D (``KV_FIRST``/``BLOCKS_FIRST``) paged cache tensor.
+        block_size: tokens per scheduler block; the tensor's own block may divide it.
+        layout: the layout the engine declares; guessed from the shape when ``None``.
+        num_kv_heads: the model's KV heads per worker, checked when given.
+        head_dim: the model's head size, checked when given (and required to tell K from V when
+            the content axis is odd-sized or K and V differ).
+        source: who declared the layout (an attention backend's name), for error messages.
 
     Raises:
-        ValueError: the tensor matches neither layout, or matches both (say, two blocks) and no
-            layout was given.
+        ValueError: the tensor does not fit the layout (or fits none, or both 5-D ones with no
+            layout given), K and V have different head sizes, or the dtype cannot be stored.
     """
     shape = tuple(layer.shape)
-    if layer.dim() != 5 or shape[2] != block_size:
-        raise ValueError(
-            f"paged KV layer must be [2, blocks, {block_size}, heads, dim] or "
-            f"[blocks, 2, {block_size}, heads, dim], got {list(shape)}"
-        )
+    origin = f" (declared by {source})" if source else ""
     if layout is None:
-        kv_first = shape[0] == 2
-        blocks_first = shape[1] == 2
-        if kv_first and blocks_first:
-            raise ValueError(f"paged KV layer shape {list(shape)} fits both layouts; pass the layout")
-        if not (kv_first or blocks_first):
-            raise ValueError(f"paged KV layer shape {list(shape)} has no K/V axis of size 2")
-        layout = PagedLayout.KV_FIRST if kv_first else PagedLayout.BLOCKS_FIRST
-    num_blocks = shape[1] if layout is PagedLayout.KV_FIRST else shape[0]
-    kv_axis = shape[0] if layout is PagedLayout.KV_FIRST else shape[1]
-    if kv_axis != 2:
-        raise ValueError(f"paged KV layer shape {list(shape)} is not {layout.value}")
+        layout = _guess_layout(shape)
+    if layout is PagedLayout.HEADS_KV_CONCAT:
+        if layer.dim() != 4:
+            raise ValueError(
+                f"{layout.value} paged KV layer must be [blocks, heads, tokens, 2*dim]{origin}, got {list(shape)}"
+            )
+        num_blocks, heads, tokens, content = shape
+        dim = head_dim if head_dim is not None else content // 2
+        if content != 2 * dim:
+            raise ValueError(
+                f"paged KV layer {list(shape)}{origin} has K and V of different head sizes "
+                f"(content {content}, K head size {dim}); store chunks carry one head size for K and V"
+            )
+    else:
+        if layer.dim() != 5:
+            raise ValueError(
+                f"paged KV layer must be [2, blocks, tokens, heads, dim] or [blocks, 2, tokens, heads, dim]"
+                f"{origin}, got {list(shape)}"
+            )
+        kv_axis = shape[0] if layout is PagedLayout.KV_FIRST else shape[1]
+        if kv_axis != 2:
+            raise ValueError(f"paged KV layer shape {list(shape)}{origin} is not {layout.value}")
+        num_blocks = shape[1] if layout is PagedLayout.KV_FIRST else shape[0]
+        tokens, heads, dim = shape[2], shape[3], shape[4]
+    if tokens <= 0 or block_size % tokens:
+        raise ValueError(
+            f"paged KV layer {list(shape)}{origin} holds {tokens}-token blocks, which do not divide "
+            f"the engine's block size {block_size}"
+        )
+    if num_blocks % (block_size // tokens):
+        raise ValueError(
+            f"paged KV layer {list(shape)}{origin} holds {num_blocks} kernel blocks, not a whole number "
+            f"of {block_size}-token blocks"
+        )
+    if num_kv_heads is not None and heads != num_kv_heads:
+        raise ValueError(
+            f"paged KV layer {list(shape)}{origin} holds {heads} KV heads, the model {num_kv_heads}"
+        )
+    if head_dim is not None and dim != head_dim:
+        raise ValueError(f"paged KV layer {list(shape)}{origin} holds head size {dim}, the model {head_dim}")
     store_dtype_name(layer.dtype)
-    return PagedGeometry(layout, num_blocks, block_size, shape[3], shape[4], layer.dtype)
+    kernel = 0 if tokens == block_size else tokens
+    return PagedGeometry(layout, num_blocks, block_size, heads, dim, layer.dtype, kernel)
+
+
+def _guess_layout(shape: tuple[int, ...]) -> PagedLayout:
+    if len(shape) == 4:
+        return PagedLayout.HEADS_KV_CONCAT
+    if len(shape) != 5:
+        raise ValueError(f"paged KV layer must be a 4-D or 5-D tensor, got {list(shape)}")
+    kv_first, blocks_first = shape[0] == 2, shape[1] == 2
+    if kv_first and blocks_first:
+        raise ValueError(f"paged KV layer shape {list(shape)} fits both layouts; pass the layout")
+    if not (kv_first or blocks_first):
+        raise ValueError(f"paged KV layer shape {list(shape)} has no K/V axis of size 2")
+    return PagedLayout.KV_FIRST if kv_first else PagedLayout.BLOCKS_FIRST
 
 
 def check_layers(layers: Sequence[torch.Tensor], geometry: PagedGeometry) -> None:
@@ -124,9 +197,12 @@ def check_layers(layers: Sequence[torch.Tensor], geometry: PagedGeometry) -> Non
 
 
 def _layer_shape(g: PagedGeometry) -> tuple[int, ...]:
+    n = g.tensor_block_size
     if g.layout is PagedLayout.KV_FIRST:
-        return (2, g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim)
-    return (g.num_blocks, 2, g.block_size, g.num_kv_heads, g.head_dim)
+        return (2, g.num_blocks, n, g.num_kv_heads, g.head_dim)
+    if g.layout is PagedLayout.BLOCKS_FIRST:
+        return (g.num_blocks, 2, n, g.num_kv_heads, g.head_dim)
+    return (g.num_blocks, g.num_kv_heads, n, 2 * g.head_dim)
 
 
 def token_slots(block_ids: Sequence[int], block_size: int, start: int, end: int) -> torch.Tensor:
@@ -145,23 +221,44 @@ def token_slots(block_ids: Sequence[int], block_size: int, start: int, end: int)
 
 
 def _split(slots: torch.Tensor, g: PagedGeometry, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= g.num_blocks * g.block_size):
-        raise ValueError(
-            f"slots must lie in [0, {g.num_blocks * g.block_size}), got {int(slots.min())}..{int(slots.max())}"
-        )
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= g.num_slots):
+        raise ValueError(f"slots must lie in [0, {g.num_slots}), got {int(slots.min())}..{int(slots.max())}")
     slots = slots.to(device=device, dtype=torch.int64)
-    return slots // g.block_size, slots % g.block_size
+    n = g.tensor_block_size
+    return slots // n, slots % n
 
 
 def _flat_slots(layer: torch.Tensor, g: PagedGeometry) -> torch.Tensor | None:
-    """``layer`` viewed as [2, num_blocks * block_size, heads, dim] without copying, when its
-    strides allow it (a contiguous KV_FIRST cache); ``None`` otherwise."""
+    """``layer`` viewed as [2, num_slots, heads, dim] without copying, when its strides allow it
+    (a contiguous KV_FIRST cache); ``None`` otherwise."""
     if g.layout is not PagedLayout.KV_FIRST:
         return None
     try:
-        return layer.view(2, g.num_blocks * g.block_size, g.num_kv_heads, g.head_dim)
+        return layer.view(2, g.num_slots, g.num_kv_heads, g.head_dim)
     except RuntimeError:
         return None
+
+
+def _pick(layer: torch.Tensor, g: PagedGeometry, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The KV of the given (block, offset) positions of one layer, as (2, T, H, D)."""
+    if g.layout is PagedLayout.KV_FIRST:
+        return layer[:, blocks, offsets]
+    if g.layout is PagedLayout.BLOCKS_FIRST:
+        return layer[blocks, :, offsets].transpose(0, 1)  # (T, 2, H, D) -> (2, T, H, D)
+    picked = layer[blocks, :, offsets]  # (T, H, 2D)
+    return picked.reshape(picked.shape[0], g.num_kv_heads, 2, g.head_dim).permute(2, 0, 1, 3)
+
+
+def _put(
+    layer: torch.Tensor, g: PagedGeometry, blocks: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor
+) -> None:
+    """Write ``values`` (2, T, H, D) at the given (block, offset) positions of one layer."""
+    if g.layout is PagedLayout.KV_FIRST:
+        layer[:, blocks, offsets] = values
+    elif g.layout is PagedLayout.BLOCKS_FIRST:
+        layer[blocks, :, offsets] = values.transpose(0, 1)
+    else:
+        layer[blocks, :, offsets] = values.permute(1, 2, 0, 3).reshape(values.shape[1], g.num_kv_heads, -1)
 
 
 def gather(
@@ -197,12 +294,7 @@ def gather(
     flat_slots = slots.to(device=layers[0].device, dtype=torch.int64)
     for n, layer in enumerate(layers):
         flat = _flat_slots(layer, g)
-        if flat is not None:
-            picked = flat.index_select(1, flat_slots)  # (2, T, H, D)
-        elif g.layout is PagedLayout.KV_FIRST:
-            picked = layer[:, blocks, offsets]  # (2, T, H, D)
-        else:
-            picked = layer[blocks, :, offsets].transpose(0, 1)  # (T, 2, H, D) -> (2, T, H, D)
+        picked = flat.index_select(1, flat_slots) if flat is not None else _pick(layer, g, blocks, offsets)
         out[n].copy_(picked.permute(0, 2, 1, 3))
     return out
 
@@ -232,10 +324,8 @@ def scatter(
         flat = _flat_slots(layer, geometry)
         if flat is not None:
             flat.index_copy_(1, flat_slots, values)
-        elif geometry.layout is PagedLayout.KV_FIRST:
-            layer[:, blocks, offsets] = values
         else:
-            layer[blocks, :, offsets] = values.transpose(0, 1)
+            _put(layer, geometry, blocks, offsets, values)
 
 
 def to_store_array(kv: torch.Tensor) -> np.ndarray:

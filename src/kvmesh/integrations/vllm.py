@@ -12,7 +12,7 @@ between vLLM's objects and kvmesh's own parts::
     scheduler  get_num_new_matched_tokens ─► StoreBridge.lookup ─► RequestTracker.on_lookup
                update_state_after_alloc   ─► RequestTracker.on_alloc
                build_connector_meta       ─► RequestTracker.on_scheduled / take_specs ─► metadata
-    worker     register_kv_caches         ─► paged_kv.detect_geometry ─► PagedKVTransfer
+    worker     register_kv_caches         ─► declared_kv_layout ─► paged_kv.detect_geometry ─► PagedKVTransfer
                start_load_kv              ─► PagedKVTransfer.load  (blocking, bounded; failed blocks
                                              reported through get_block_ids_with_load_errors)
                wait_for_save              ─► PagedKVTransfer.save  (copy out, store in background)
@@ -39,7 +39,7 @@ import torch
 
 from kvmesh.core.hashing import Namespace
 from kvmesh.integrations.connector_config import ConnectorSettings
-from kvmesh.integrations.paged_kv import check_layers, detect_geometry, store_dtype_name
+from kvmesh.integrations.paged_kv import PagedLayout, check_layers, detect_geometry, store_dtype_name
 from kvmesh.integrations.paged_transfer import PagedKVTransfer
 from kvmesh.integrations.request_tracker import LoadSpec, RequestTracker, SaveSpec
 from kvmesh.integrations.store_bridge import StoreBridge
@@ -172,6 +172,88 @@ def model_kv_format(vllm_config: Any) -> ModelKVFormat:
     )
 
 
+_PROBE_BLOCKS = 7919
+"""A block count no other axis of a probed cache shape can equal (prime, larger than any head count)."""
+
+
+def _attention_backend(vllm_config: Any, layer_name: str) -> Any:
+    """The attention backend class vLLM chose for ``layer_name`` (``None`` when not reachable)."""
+    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None)
+    layer = context.get(layer_name) if isinstance(context, dict) else None
+    if layer is None:
+        return None
+    backend = getattr(layer, "attn_backend", None)
+    if backend is None and hasattr(layer, "get_attn_backend"):
+        backend = layer.get_attn_backend()
+    return backend
+
+
+def _backend_name(backend: Any) -> str:
+    try:
+        return str(backend.get_name())
+    except Exception:  # any failure only costs the name in messages
+        return getattr(backend, "__name__", "an unknown attention backend")
+
+
+def declared_kv_layout(
+    vllm_config: Any, layer_name: str, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[PagedLayout | None, str]:
+    """The per-layer cache layout vLLM declares, and who declared it (for messages).
+
+    vLLM 0.32 and later hand every attention backend a logical ``[B, H, N, C]`` view per layer
+    (K then V in C; the physical order is the resolved ``KVCacheLayout``). Earlier versions give
+    each backend's ``get_kv_cache_shape``, probed here with a block count no other axis can equal.
+
+    Returns:
+        ``(layout, source)``; ``layout`` is ``None`` when vLLM declares nothing readable (the
+        shape then decides).
+
+    Raises:
+        ValueError: the backend declares a shape the connector cannot read.
+    """
+    backend = _attention_backend(vllm_config, layer_name)
+    name = _backend_name(backend) if backend is not None else "vLLM"
+    try:
+        import vllm.v1.kv_cache_layout  # noqa: F401  (present since the [B, H, N, C] views)
+    except ImportError:
+        pass
+    else:
+        order = "unresolved"
+        resolve = getattr(vllm_config.cache_config, "get_resolved_kv_cache_layout", None)
+        if callable(resolve):
+            try:
+                order = resolve().name
+            except ValueError:
+                pass
+        return PagedLayout.HEADS_KV_CONCAT, f"{name}, [B, H, N, C] view in {order} memory order"
+    shape_of = getattr(backend, "get_kv_cache_shape", None)
+    if shape_of is None:
+        return None, name
+    shape = tuple(shape_of(_PROBE_BLOCKS, block_size, num_kv_heads, head_dim))
+    if len(shape) == 5 and shape[1] == _PROBE_BLOCKS and shape[0] == 2:
+        return PagedLayout.KV_FIRST, f"{name}, get_kv_cache_shape {list(shape)}"
+    if len(shape) == 5 and shape[0] == _PROBE_BLOCKS and shape[1] == 2:
+        return PagedLayout.BLOCKS_FIRST, f"{name}, get_kv_cache_shape {list(shape)}"
+    raise ValueError(
+        f"KVMeshConnector cannot read the KV cache of attention backend {name}: it declares "
+        f"get_kv_cache_shape(num_blocks, {block_size}, {num_kv_heads}, {head_dim}) = {list(shape)} "
+        "(num_blocks probed as 7919); supported: [2, B, N, H, D], [B, 2, N, H, D] and [B, H, N, 2*D]"
+    )
+
+
+def cache_hit_source_name(store: Any) -> str:
+    """vLLM's ``CacheHitSource`` value for hits served by ``store``'s outermost tier.
+
+    A shared Redis/Valkey tier is remote ("external_unspecified"); a disk or shared directory is
+    "disk"; a RAM tier alone is "host".
+    """
+    if getattr(store, "remote_url", None):
+        return "external_unspecified"
+    if getattr(store, "local_disk", None) or getattr(store, "shared_dir", None):
+        return "disk"
+    return "host"
+
+
 class _BridgePool:
     """One store bridge per configuration per process, shared by the scheduler's and the
     workers' connectors when they live in one process (their RAM tier is then one tier)."""
@@ -278,9 +360,21 @@ class KVMeshConnector(_ConnectorBase):
         )
         self.revision = self.settings.revision or str(getattr(model_config, "revision", None) or "")
         self.bridge = _BRIDGES.acquire(self.settings)
+        self._set_cache_hit_source()
         self.tracker = RequestTracker(self.bridge.chunk_size, self.block_size, save=self.settings.save)
         self.transfer: PagedKVTransfer | None = None
         self._failed_blocks: set[int] = set()
+
+    def _set_cache_hit_source(self) -> None:
+        """Label kvmesh's hits in vLLM's ``vllm:external_prefix_cache_hits`` by the store tier."""
+        if not HAS_VLLM:
+            return
+        try:
+            from vllm.v1.metrics.cache_hit_source import CacheHitSource
+        except ImportError:  # a vLLM without per-source hit metrics
+            return
+        config = getattr(self.bridge.engine, "config", None)
+        self._cache_hit_source = CacheHitSource(cache_hit_source_name(config))
 
     # ---------------------------------------------------------------- keys
 
@@ -371,9 +465,27 @@ class KVMeshConnector(_ConnectorBase):
         layers = list(kv_caches.values())
         if not layers or not all(isinstance(t, torch.Tensor) for t in layers):
             raise ValueError("KVMeshConnector needs one KV cache tensor per attention layer")
-        geometry = detect_geometry(layers[0], self.block_size)
-        check_layers(layers, geometry)
         fmt = self.kv_format.for_rank(self._tp_rank())
+        layout, source = declared_kv_layout(
+            self._vllm_config, next(iter(kv_caches)), self.block_size, fmt.num_kv_heads, fmt.head_dim
+        )
+        geometry = detect_geometry(
+            layers[0],
+            self.block_size,
+            layout,
+            num_kv_heads=fmt.num_kv_heads,
+            head_dim=fmt.head_dim,
+            source=source,
+        )
+        check_layers(layers, geometry)
+        _log.info(
+            "KVMeshConnector: %d layers, %s layout (%s), %d-token blocks%s",
+            len(layers),
+            geometry.layout.value,
+            source,
+            geometry.block_size,
+            f" in {geometry.tensor_block_size}-token kernel blocks" if geometry.kernel_block_size else "",
+        )
         found = (geometry.store_dtype, len(layers), geometry.num_kv_heads, geometry.head_dim)
         expected = (fmt.kv_dtype, fmt.num_layers, fmt.num_kv_heads, fmt.head_dim)
         if found != expected:

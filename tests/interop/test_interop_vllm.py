@@ -1,0 +1,258 @@
+"""kvmesh against live vLLM servers: the connector shares KV between them, the router reads their
+KV events (128-token blocks on CPU) and routes repeats to the holder, and a restarted router
+rebuilds its index from vLLM's replay socket."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from interop_helpers import LiveVllm, complete, http_json, kvmesh_command, metric, stop
+
+from kvmesh.core.hashing import Namespace
+from kvmesh.fleet.process import ManagedProcess, free_ports
+from kvmesh.integrations.store_bridge import StoreBridge
+from kvmesh.integrations.vllm import ModelKVFormat
+from kvmesh.store.local_server import LocalServer
+
+pytestmark = pytest.mark.slow
+
+ADMIN_TOKEN = "interop-admin"
+WORDS = [
+    "river",
+    "stone",
+    "cloud",
+    "garden",
+    "lantern",
+    "harbor",
+    "meadow",
+    "pencil",
+    "orbit",
+    "canyon",
+    "violet",
+    "marble",
+    "thunder",
+    "saddle",
+    "copper",
+    "anchor",
+    "willow",
+    "falcon",
+    "ember",
+    "glacier",
+]
+
+
+def text(seed: int, num_words: int) -> str:
+    """Deterministic filler text (about three tokens a word with SmolLM2's tokenizer)."""
+    rng = random.Random(seed)
+    return " ".join(f"{rng.choice(WORDS)}{rng.randint(0, 99)}" for _ in range(num_words))
+
+
+def store_namespace(model_dir: Path) -> Namespace:
+    """The namespace KVMeshConnector keys SmolLM2's chunks with (float32 KV, one worker)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    heads = int(config["num_attention_heads"])
+    fmt = ModelKVFormat(
+        kv_dtype="float32",
+        num_layers=int(config["num_hidden_layers"]),
+        num_kv_heads=int(config.get("num_key_value_heads", heads)),
+        head_dim=int(config.get("head_dim", config["hidden_size"] // heads)),
+    )
+    return Namespace("smollm2", kv_dtype=fmt.kv_dtype, kv_layout=fmt.layout_name())
+
+
+def wait_for_store(bridge: StoreBridge, token_ids: list[int], namespace: Namespace, want: int) -> int:
+    """Poll until the store holds ``want`` prefix tokens (saves are written in the background)."""
+    deadline = time.monotonic() + 120.0
+    found = 0
+    while time.monotonic() < deadline:
+        found = bridge.lookup(token_ids, namespace)
+        if found >= want:
+            return found
+        time.sleep(0.2)
+    return found
+
+
+def test_second_vllm_loads_what_the_first_computed(
+    vllm_pair: list[LiveVllm], valkey: LocalServer, model_dir: Path
+) -> None:
+    first, second = vllm_pair
+    prompt = text(seed=11, num_words=700)
+    cold = complete(first.url, prompt)
+    assert cold.prompt_tokens >= 2000, cold
+    assert cold.cached_tokens == 0
+    whole_chunks = cold.prompt_tokens // 256 * 256
+    token_ids = http_json(f"{first.url}/tokenize", {"model": "smollm2", "prompt": prompt})["tokens"]
+    assert len(token_ids) == cold.prompt_tokens
+    bridge = StoreBridge(valkey.url, lookup_timeout_s=2.0)
+    try:
+        stored = wait_for_store(bridge, token_ids, store_namespace(model_dir), whole_chunks)
+    finally:
+        bridge.close()
+    assert stored >= whole_chunks, (
+        f"the store holds {stored} of {whole_chunks} tokens of the first server's prompt"
+    )
+
+    external_before = metric(second.url, "vllm:external_prefix_cache_hits_total")
+    warm = complete(second.url, prompt)
+    external = metric(second.url, "vllm:external_prefix_cache_hits_total") - external_before
+    assert warm.cached_tokens >= 0.9 * whole_chunks, (warm, whole_chunks)
+    assert external == warm.cached_tokens  # vLLM's own metric counts kvmesh's load as external hits
+    assert warm.text == cold.text  # greedy first token identical to the cold run
+
+
+# ---------------------------------------------------------------- router in front of vLLM
+
+
+def router_config(path: Path, port: int, servers: list[LiveVllm], model_dir: Path, policy: str) -> Path:
+    endpoints = [
+        {
+            "url": s.url,
+            "eventsEndpoint": s.replica.events_endpoint,
+            "replayEndpoint": s.replica.replay_endpoint,
+        }
+        for s in servers
+    ]
+    config = {
+        "host": "127.0.0.1",
+        "port": port,
+        "model": "smollm2",
+        "tokenizer": str(model_dir),
+        "adminToken": ADMIN_TOKEN,
+        "policy": policy,
+        "seed": 7,
+        "endpoints": endpoints,
+    }
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return path
+
+
+def admin_index(router_url: str) -> dict[str, Any]:
+    req = urllib.request.Request(
+        f"{router_url}/admin/index", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        body: dict[str, Any] = json.loads(resp.read())
+    return body
+
+
+def start_router(config: Path, log: Path, port: int) -> ManagedProcess:
+    proc = ManagedProcess("router", kvmesh_command("router", "--config", str(config)), log)
+    proc.start()
+    deadline = time.monotonic() + 60
+    while True:
+        proc.check_alive()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return proc
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, proc.log_tail()
+        time.sleep(0.3)
+
+
+def indexed_blocks(body: dict[str, Any]) -> int:
+    return int(sum(pod.get("blocks") or 0 for pod in body.get("pods", {}).values()))
+
+
+@pytest.fixture(scope="module")
+def router(
+    vllm_pair: list[LiveVllm], model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    run = tmp_path_factory.mktemp("router")
+    port = free_ports(1)[0]
+    config = router_config(run / "router.yaml", port, vllm_pair, model_dir, "precise")
+    proc = start_router(config, run / "router.log", port)
+    state: dict[str, Any] = {
+        "url": f"http://127.0.0.1:{port}",
+        "proc": proc,
+        "config": config,
+        "run": run,
+        "port": port,
+    }
+    try:
+        yield state
+    finally:
+        stop(state["proc"])
+
+
+def group_prompts(seed: int, groups: int, repeats: int) -> list[tuple[int, str]]:
+    """(group, prompt) in group-major order: a ~700-token shared prefix, then a short question."""
+    out = []
+    for g in range(groups):
+        prefix = text(seed * 1000 + g, 230)
+        for r in range(repeats):
+            out.append((g, f"{prefix}\nQuestion {r}: {text(seed * 7919 + g * 31 + r, 8)}?"))
+    return out
+
+
+def fleet_hits(servers: list[LiveVllm]) -> tuple[float, float]:
+    return (
+        sum(metric(s.url, "vllm:prefix_cache_hits_total") for s in servers),
+        sum(metric(s.url, "vllm:prefix_cache_queries_total") for s in servers),
+    )
+
+
+def test_router_routes_repeats_to_the_holder_and_beats_round_robin(
+    vllm_pair: list[LiveVllm], router: dict[str, Any]
+) -> None:
+    groups, repeats = 3, 3
+    # Round-robin over the same servers (vLLM's own prefix cache): each group's repeats alternate.
+    hits0, queries0 = fleet_hits(vllm_pair)
+    for i, (_, prompt) in enumerate(group_prompts(seed=1, groups=groups, repeats=repeats)):
+        complete(vllm_pair[i % 2].url, prompt)
+    hits1, queries1 = fleet_hits(vllm_pair)
+    round_robin = (hits1 - hits0) / (queries1 - queries0)
+
+    holders: dict[int, str] = {}
+    for group, prompt in group_prompts(seed=2, groups=groups, repeats=repeats):
+        result = complete(router["url"], prompt)
+        assert result.endpoint is not None
+        if group in holders:
+            assert result.endpoint == holders[group], f"repeat of group {group} left its holder"
+        else:
+            holders[group] = result.endpoint
+        time.sleep(0.3)  # the prefill's BlockStored events reach the router
+    hits2, queries2 = fleet_hits(vllm_pair)
+    routed = (hits2 - hits1) / (queries2 - queries1)
+    assert routed > round_robin, (routed, round_robin)
+
+    body = admin_index(router["url"])
+    assert body["ingest"]["num_blocks_stored"] > 0
+    assert {pod["block_size"] for pod in body["pods"].values() if pod.get("block_size")} == {128}
+    router["holders"] = holders
+
+
+def test_restarted_router_rebuilds_its_index_from_vllm_replay(
+    vllm_pair: list[LiveVllm], router: dict[str, Any]
+) -> None:
+    if "holders" not in router:  # run alone: make the router learn one prefix first
+        router["holders"] = {
+            0: complete(router["url"], group_prompts(seed=2, groups=1, repeats=1)[0][1]).endpoint
+        }
+        time.sleep(0.3)
+    before = indexed_blocks(admin_index(router["url"]))
+    assert before > 0
+    stop(router["proc"])
+    router["proc"] = start_router(router["config"], router["run"] / "router-restarted.log", router["port"])
+    deadline = time.monotonic() + 5.0
+    rebuilt = 0
+    while time.monotonic() < deadline:
+        rebuilt = indexed_blocks(admin_index(router["url"]))
+        if rebuilt >= before:
+            break
+        time.sleep(0.1)
+    assert rebuilt > 0, "no blocks replayed from vLLM's replay socket"
+    body = admin_index(router["url"])
+    assert body["subscriber"]["num_replayed"] > 0
+    assert body["subscriber"]["num_malformed"] == 0
+    # The rebuilt index routes a new question on a known prefix to the replica that holds it.
+    _, repeat = group_prompts(seed=2, groups=1, repeats=4)[3]
+    assert complete(router["url"], repeat).endpoint == router["holders"][0]
