@@ -5,7 +5,14 @@ import random
 import msgspec
 
 from kvmesh.core.event_transport import ZmqEventSubscriber
-from kvmesh.core.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_batch
+from kvmesh.core.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    decode_batch,
+    encode_batch,
+)
 from kvmesh.core.types import PodId
 from kvmesh.errors import ProtocolError
 
@@ -15,7 +22,7 @@ N_FRAMES = 100_000
 def valid_payloads(rng: random.Random) -> list[bytes]:
     out = []
     for i in range(200):
-        evs = [
+        evs: list[KVEvent] = [
             BlockStored(
                 [rng.getrandbits(64)],
                 rng.choice([None, rng.getrandbits(64)]),
@@ -24,15 +31,36 @@ def valid_payloads(rng: random.Random) -> list[bytes]:
                 None,
                 "GPU",
             ),
-            BlockRemoved([rng.randbytes(8)], "CPU"),
+            BlockRemoved([rng.randbytes(8)], "CPU", rng.choice([None, 0]), rng.choice([None, "LOCAL"])),
             AllBlocksCleared(),
+            BlockStored(
+                [rng.getrandbits(64), rng.getrandbits(64)],
+                None,
+                list(range(32)),
+                16,
+                None,
+                None,
+                "lora",
+                [["lora"], None],
+                1,
+                rng.choice(["full_attention", "sliding_window", "mamba"]),
+                rng.choice([None, 4096]),
+                "REMOTE",
+                "tier-2",
+                "session",
+            ),
         ]
-        out.append(encode_batch(evs[: 1 + i % 3], float(i)))
+        chosen = evs[: 1 + i % 4]
+        out.append(encode_batch(chosen, float(i), rng.choice([None, 1])))
+        # Older positional form, and the map-form batch, with and without nil trailing fields.
+        positional = [[type(ev).__name__, *msgspec.structs.astuple(ev)] for ev in chosen]
+        out.append(msgspec.msgpack.encode([float(i), positional]))
         out.append(
             msgspec.msgpack.encode(
                 {"ts": float(i), "events": [{"type": "BlockRemoved", "block_hashes": [i]}]}
             )
         )
+        out.append(msgspec.msgpack.encode({"ts": float(i), "events": chosen}))
     return out
 
 

@@ -173,3 +173,111 @@ def test_publish_never_blocks_when_queue_is_full():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="positive"):
         ZmqEventPublisher("tcp://127.0.0.1:0", buffer_steps=0)
+
+
+END = (-1).to_bytes(8, "big", signed=True)
+MALFORMED_REPLIES = [
+    [b""],  # too few frames
+    [b"", b"t", (0).to_bytes(8, "big"), b"p", b"extra"],  # too many frames
+    [b"x", b"t", (0).to_bytes(8, "big"), b"p"],  # non-empty delimiter
+    [b"", b"t", b"\x00" * 7, b"p"],  # short seq
+    [b"", b"\x00" * 9, b"p"],  # long seq, three frames
+    [b"", END, b"not-empty"],  # end marker with a payload
+]
+
+
+async def _serve_replay_by_hand(
+    router, form: str, payloads: list[bytes], requests: list[list[bytes]]
+) -> None:
+    """Answer one replay request like an old (3-frame) or current vLLM (4-frame) publisher."""
+    frames = await router.recv_multipart()
+    requests.append(frames)
+    identity, start = frames[0], int.from_bytes(frames[-1], "big")
+    for bad in MALFORMED_REPLIES:
+        await router.send_multipart([identity, *bad])
+    for seq, payload in enumerate(payloads):
+        if seq < start:
+            continue
+        seq_b = seq.to_bytes(8, "big")
+        body = [b"", b"kv-events", seq_b, payload] if form == "four" else [b"", seq_b, payload]
+        await router.send_multipart([identity, *body])
+    end = [b"", b"", END, b""] if form == "four" else [b"", END, b""]
+    await router.send_multipart([identity, *end])
+
+
+@pytest.mark.parametrize("form", ["three", "four"])
+async def test_subscriber_replays_from_old_and_current_reply_forms(form):
+    import zmq
+    import zmq.asyncio
+
+    from kvmesh.core.events import encode_batch
+
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    router = ctx.socket(zmq.ROUTER)
+    pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
+    router_port = router.bind_to_random_port("tcp://127.0.0.1")
+    payloads = [encode_batch([stored(i)], float(i)) for i in range(4)]
+    requests: list[list[bytes]] = []
+    col = Collector()
+    sub = ZmqEventSubscriber(col.on_batch, col.on_reset)
+    sub.add_publisher(PodId("a"), f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{router_port}")
+    server = asyncio.create_task(_serve_replay_by_hand(router, form, payloads[:3], requests))
+    task = asyncio.create_task(sub.run())
+    try:
+        await asyncio.wait_for(server, 5)
+        await wait_for(lambda: len(col.seqs) == 3)
+        assert requests == [[requests[0][0], b"", (0).to_bytes(8, "big")]]
+        assert sub.stats.num_replayed == 3
+        assert sub.stats.num_malformed == len(MALFORMED_REPLIES)
+        # The live stream continues after the replayed history (resent until the SUB has joined;
+        # repeats of the same seq and payload are dropped as duplicates).
+        for _ in range(100):
+            await pub.send_multipart([b"kv-events", (3).to_bytes(8, "big"), payloads[3]])
+            if len(col.seqs) == 4:
+                break
+            await asyncio.sleep(0.05)
+        assert col.seqs == [0, 1, 2, 3] and col.hashes == [0, 1, 2, 3]
+        assert sub.stats.num_gaps == 0 and sub.stats.num_resets == 0 and sub.stats.num_lost == 0
+    finally:
+        await sub.aclose()
+        await task
+        pub.close(0)
+        router.close(0)
+        ctx.term()
+
+
+def test_publisher_answers_replay_in_the_four_frame_form():
+    import time
+
+    import zmq
+
+    pub = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic="my-topic")
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVTIMEO, 5000)
+    try:
+        for i in range(3):
+            pub.publish([stored(i)])
+        deadline = time.monotonic() + 5
+        while pub.num_published < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pub.replay_endpoint is not None
+        dealer.connect(pub.replay_endpoint)
+        dealer.send_multipart([b"", (1).to_bytes(8, "big")])
+        replies = [dealer.recv_multipart() for _ in range(3)]
+        from kvmesh.core.events import decode_batch
+
+        for seq, reply in zip((1, 2), replies, strict=False):
+            assert len(reply) == 4 and reply[:3] == [b"", b"my-topic", seq.to_bytes(8, "big")]
+            assert decode_batch(reply[3]).events == [stored(seq)]
+        assert replies[2] == [b"", b"", END, b""]
+        # A bad start seq gets just the end marker.
+        dealer.send_multipart([b"", b"bad"])
+        assert dealer.recv_multipart() == [b"", b"", END, b""]
+        assert pub.num_replay_requests == 2
+    finally:
+        dealer.close(0)
+        ctx.term()
+        pub.close()

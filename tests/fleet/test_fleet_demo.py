@@ -6,7 +6,16 @@ import pytest
 
 from kvmesh.bench.metrics import RequestResult, summarize
 from kvmesh.bench.runner import RunResult
-from kvmesh.fleet.demo import REAL_KV_CAPACITY_TOKENS, explain_real, real_cycles, real_workload
+from kvmesh.fleet import demo, demo_vllm
+from kvmesh.fleet.demo import (
+    REAL_KV_CAPACITY_TOKENS,
+    DemoOptions,
+    explain_real,
+    real_cycles,
+    real_workload,
+    resolve_engine,
+)
+from kvmesh.fleet.process import FleetError
 
 
 @pytest.mark.parametrize("quick", [True, False])
@@ -46,3 +55,26 @@ def test_explanation_states_the_measured_ratios():
 def test_explanation_says_higher_when_ttft_got_worse():
     text = explain_real(_run("rr", 20, 0.5), _run("precise", 76, 2.0), 4)
     assert "p90 TTFT 4.0x higher" in text and "median TTFT 4.0x higher" in text
+
+
+def test_vllm_demo_keeps_kvmesh_cold_requests_under_a_tenth():
+    """p90 TTFT shows the warm path only if fewer than 10 % of requests meet their group cold."""
+    load = demo_vllm.workload(quick=False)
+    assert load.num_groups / load.num_requests < 0.10
+    assert load.system_prompt_len % 128 == 0  # whole vLLM-CPU blocks
+
+
+def test_vllm_demo_fleets_differ_only_in_routing_and_sharing(tmp_path):
+    base, kvmesh = demo_vllm.fleet_configs(2, tmp_path)
+    assert (base.engine, kvmesh.engine) == ("vllm", "vllm")
+    assert (base.policy, base.shared) == ("round-robin", "none")
+    assert (kvmesh.policy, kvmesh.shared) == ("precise", "dir")
+    assert base.engine_args == kvmesh.engine_args
+
+
+def test_demo_says_why_it_does_not_use_vllm(monkeypatch):
+    monkeypatch.setattr(demo, "vllm_unavailable_reason", lambda: "vllm-cpu needs AVX2")
+    assert resolve_engine(DemoOptions()) == ("kvmesh", "vllm-cpu needs AVX2")
+    assert resolve_engine(DemoOptions(engine="kvmesh")) == ("kvmesh", "--engine kvmesh")
+    with pytest.raises(FleetError, match="AVX2"):
+        resolve_engine(DemoOptions(engine="vllm"))

@@ -18,7 +18,6 @@ from interop_helpers import LiveVllm, complete, http_json, kvmesh_command, metri
 from kvmesh.core.hashing import Namespace
 from kvmesh.fleet.process import ManagedProcess, free_ports
 from kvmesh.integrations.store_bridge import StoreBridge
-from kvmesh.integrations.vllm import ModelKVFormat
 from kvmesh.store.local_server import LocalServer
 
 pytestmark = pytest.mark.slow
@@ -54,19 +53,6 @@ def text(seed: int, num_words: int) -> str:
     return " ".join(f"{rng.choice(WORDS)}{rng.randint(0, 99)}" for _ in range(num_words))
 
 
-def store_namespace(model_dir: Path) -> Namespace:
-    """The namespace KVMeshConnector keys SmolLM2's chunks with (float32 KV, one worker)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    heads = int(config["num_attention_heads"])
-    fmt = ModelKVFormat(
-        kv_dtype="float32",
-        num_layers=int(config["num_hidden_layers"]),
-        num_kv_heads=int(config.get("num_key_value_heads", heads)),
-        head_dim=int(config.get("head_dim", config["hidden_size"] // heads)),
-    )
-    return Namespace("smollm2", kv_dtype=fmt.kv_dtype, kv_layout=fmt.layout_name())
-
-
 def wait_for_store(bridge: StoreBridge, token_ids: list[int], namespace: Namespace, want: int) -> int:
     """Poll until the store holds ``want`` prefix tokens (saves are written in the background)."""
     deadline = time.monotonic() + 120.0
@@ -92,7 +78,7 @@ def test_second_vllm_loads_what_the_first_computed(
     assert len(token_ids) == cold.prompt_tokens
     bridge = StoreBridge(valkey.url, lookup_timeout_s=2.0)
     try:
-        stored = wait_for_store(bridge, token_ids, store_namespace(model_dir), whole_chunks)
+        stored = wait_for_store(bridge, token_ids, first.replica.store_namespace(), whole_chunks)
     finally:
         bridge.close()
     assert stored >= whole_chunks, (

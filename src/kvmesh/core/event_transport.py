@@ -1,11 +1,18 @@
-"""ZMQ transport for KV events, wire-compatible with vLLM's publisher.
+"""ZMQ transport for KV events, wire-compatible with vLLM's publisher and subscribers.
 
-Publisher::
+Publisher (sockets bound by the publisher; frames as the peer sees them)::
 
-    PUB    bind endpoint         multipart [topic, seq: u64 big-endian, payload: msgpack batch]
-    ROUTER bind replay_endpoint  request  [b"", start_seq: u64 big-endian]
-                                 replies  [b"", seq, payload] per buffered batch with seq >= start,
-                                          then [b"", -1 (i64 big-endian), b""] as the end marker
+    PUB    bind endpoint         [topic, seq: u64 big-endian, payload: msgpack batch]
+
+    ROUTER bind replay_endpoint  DEALER sends   [b"", start_seq: u64 big-endian]
+                                 (ROUTER sees   [identity, b"", start_seq])
+                                 DEALER gets    [b"", topic, seq, payload]   per buffered batch, seq >= start
+                                                [b"", b"", END, b""]         end marker
+                                 where END = -1 as i64 big-endian (8 x 0xff)
+
+This four-frame replay answer is vLLM's current one and the one :class:`ZmqEventPublisher` sends.
+Older vLLM and kvmesh publishers answered without the topic frame, ``[b"", seq, payload]`` and
+``[b"", END, b""]``; the subscriber accepts both, and counts any other reply as malformed.
 
 ``seq`` starts at 0 and restarts at 0 when a publisher restarts. The subscriber keeps the last seq per
 publisher: a gap triggers a replay request, a seq that goes backwards means the publisher restarted
@@ -185,15 +192,17 @@ class ZmqEventPublisher:
             except zmq.Again:
                 return
             self.num_replay_requests += 1
+            # [identity, b"", start] from a DEALER; [identity, start] from a client without the
+            # empty delimiter frame is accepted too. A bad start gets just the end marker.
             identity, start_bytes = frames[0], frames[-1]
-            if len(start_bytes) != 8:
-                self._replay.send_multipart((identity, b"", END_OF_REPLAY, b""))
-                continue
-            start = int.from_bytes(start_bytes, "big")
-            for seq, payload in self._buffer:
-                if seq >= start:
-                    self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
-            self._replay.send_multipart((identity, b"", END_OF_REPLAY, b""))
+            if len(frames) >= 2 and len(start_bytes) == 8:
+                start = int.from_bytes(start_bytes, "big")
+                for seq, payload in self._buffer:
+                    if seq >= start:
+                        self._replay.send_multipart(
+                            (identity, b"", self._topic, seq.to_bytes(8, "big"), payload), copy=False
+                        )
+            self._replay.send_multipart((identity, b"", b"", END_OF_REPLAY, b""))
 
 
 @dataclass(slots=True)
@@ -396,17 +405,40 @@ class ZmqEventSubscriber:
                         logger.warning("replay from %s timed out", state.pod)
                         return
                     frames = await sock.recv_multipart()
-                    if len(frames) != 3 or len(frames[1]) != 8:
+                    reply = _parse_replay_reply(frames)
+                    if reply is None:
                         self.stats.num_malformed += 1
                         continue
-                    if frames[1] == END_OF_REPLAY:
+                    seq_bytes, payload = reply
+                    if seq_bytes == END_OF_REPLAY:
                         return
-                    seq = int.from_bytes(frames[1], "big")
+                    seq = int.from_bytes(seq_bytes, "big")
                     if stop is not None and seq >= stop:
                         continue
                     self.stats.num_replayed += 1
-                    self._deliver(state, seq, frames[2])
+                    self._deliver(state, seq, payload)
             except zmq.ZMQError as exc:
                 logger.warning("replay from %s failed: %s", state.pod, exc)
             finally:
                 sock.close(linger=0)
+
+
+def _parse_replay_reply(frames: list[bytes]) -> tuple[bytes, bytes] | None:
+    """``(seq, payload)`` of one replay reply as a DEALER receives it, or ``None`` when malformed.
+
+    Four frames ``[b"", topic, seq, payload]`` (vLLM's current form; the end marker is
+    ``[b"", b"", END, b""]``) or three frames ``[b"", seq, payload]`` (older publishers; end marker
+    ``[b"", END, b""]``). The end marker comes back with ``seq == END_OF_REPLAY``. The topic is not
+    checked: the replay socket belongs to one publisher and answers only the requesting client.
+    """
+    if len(frames) == 4:
+        delimiter, _topic, seq, payload = frames
+    elif len(frames) == 3:
+        delimiter, seq, payload = frames
+    else:
+        return None
+    if delimiter or len(seq) != 8:
+        return None
+    if seq == END_OF_REPLAY and payload:
+        return None
+    return seq, payload

@@ -1,17 +1,43 @@
 """KV cache events in vLLM's wire format.
 
-A replica announces which blocks it holds with a stream of batches::
+A replica announces which blocks it holds with a stream of msgpack batches. Since vLLM 0.32 the
+batch is a positional array and every event is a map tagged by ``"type"``::
 
     batch  = [ts: float, events: list[event], data_parallel_rank: int | None]
-    event  = ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-              lora_id, medium, lora_name, extra_keys, group_idx]
-           | ["BlockRemoved", block_hashes, medium, group_idx]
-           | ["AllBlocksCleared"]
+    event  = {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+              "lora_id", "medium", "lora_name",                             (always written)
+              "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+              "locality", "ownership", "session_id"}                        (written when not nil)
+           | {"type": "BlockRemoved", "block_hashes", "medium",             (always written)
+              "group_idx", "locality", "ownership"}                         (written when not nil)
+           | {"type": "AllBlocksCleared"}
 
-The encoder writes this positional (array) form with trailing defaults omitted, as vLLM does. The
-decoder also takes the map form ``{"type": "BlockStored", ...}``, missing trailing fields, unknown
-extra trailing fields, and block hashes as u64 ints or raw bytes. Frames that still do not parse
-raise :class:`~kvmesh.errors.ProtocolError`; the subscriber counts and skips them.
+The batch always carries all three elements (msgspec ignores ``omit_defaults`` for array-like
+structs, so a nil rank is written as nil, by vLLM and by us).
+
+Encoding. vLLM's decoder requires the first seven ``BlockStored`` keys (and the first two of
+``BlockRemoved``) even when they are nil, while Python code here builds events positionally with
+``lora_id``, ``medium`` and ``lora_name`` defaulting to ``None``. msgspec decides per struct class
+whether nil defaults are written, so :func:`encode_batch` converts each event to a private *wire*
+struct of the same fields in which those keys have no default (always written) and the optional
+tail is omitted when nil. The bytes are exactly what vLLM's own encoder writes for the same event.
+The public structs themselves use ``omit_defaults=False``, so even a direct
+``msgspec.msgpack.encode(event)`` stays decodable by vLLM (just larger).
+
+Decoding, fastest first; every path ends in the public structs below:
+
+1. map-form events in an array batch (vLLM >= 0.32, and our encoder): one typed msgspec decode
+   straight into :class:`KVEventBatch`; unknown keys are ignored, so newer publishers that add
+   fields still take this path.
+2. positional events ``["BlockStored", block_hashes, ...]`` in an array batch (older vLLM and older
+   kvmesh): one typed decode into private ``array_like`` twins, whose missing trailing fields take
+   their defaults and whose unknown extra trailing fields are ignored, then converted.
+3. a map-form batch ``{"ts": ..., "events": [...], "data_parallel_rank": ...}``: one typed decode.
+4. anything else (a batch mixing both event forms, map events missing fields other than
+   ``block_hashes``): a generic msgpack decode and :func:`normalize_event` per event.
+
+Block hashes may be u64 ints or raw bytes everywhere. A payload no path accepts raises
+:class:`~kvmesh.errors.ProtocolError`; the subscriber counts and skips it.
 """
 
 from __future__ import annotations
@@ -20,13 +46,17 @@ import time
 from typing import Any, TypeAlias
 
 import msgspec
+from msgspec.structs import astuple
 
 from kvmesh.core.types import ExternalBlockHash
 from kvmesh.errors import ProtocolError
 
+# --------------------------------------------------------------------------------------------------
+# Public (canonical) events: map form, tag "type" = class name.
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base of the three event kinds; the tag is the class name, first in the array."""
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=False, gc=False, tag=True):
+    """Base of the three event kinds; encodes as a map whose ``"type"`` is the class name."""
 
 
 class BlockStored(KVCacheEvent):
@@ -41,10 +71,21 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None = None
     """Deprecated upstream in favour of ``lora_name``; kept for old publishers."""
     medium: str | None = None
-    """Tier holding the blocks: "GPU", "CPU", "DISK", ... (``None`` means GPU)."""
+    """Tier holding the blocks: "GPU", "CPU", ... (``None`` means GPU)."""
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
+    """Per block: the extra hash inputs (LoRA name, multimodal ids, cache salt) or ``None``."""
     group_idx: int | None = None
+    """KV cache group of a hybrid model; ``None`` for single-group models."""
+    kv_cache_spec_kind: str | None = None
+    """Kind of the group's cache spec: "full_attention", "sliding_window", "mamba", ..."""
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    """"LOCAL" or "REMOTE" relative to the publisher; ``None`` means unspecified."""
+    ownership: str | None = None
+    """Secondary offloading tier that generated the event, if any."""
+    session_id: str | None = None
+    """Session (request context) that triggered the store; not exclusive ownership."""
 
 
 class BlockRemoved(KVCacheEvent):
@@ -53,6 +94,8 @@ class BlockRemoved(KVCacheEvent):
     block_hashes: list[ExternalBlockHash]
     medium: str | None = None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -60,12 +103,6 @@ class AllBlocksCleared(KVCacheEvent):
 
 
 KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
-
-_EVENT_TYPES: dict[str, type[KVCacheEvent]] = {
-    "BlockStored": BlockStored,
-    "BlockRemoved": BlockRemoved,
-    "AllBlocksCleared": AllBlocksCleared,
-}
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -76,18 +113,200 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
+# --------------------------------------------------------------------------------------------------
+# Wire form written by encode_batch: vLLM's required keys have no default, so they are always
+# written; the optional tail is omitted when nil. Field order matches the public structs.
+
+
+class _WireEvent(msgspec.Struct, omit_defaults=True, gc=False):
+    pass
+
+
+class _BlockStoredWire(_WireEvent, tag="BlockStored"):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class _BlockRemovedWire(_WireEvent, tag="BlockRemoved"):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class _AllBlocksClearedWire(_WireEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _WireBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[_WireEvent]
+    data_parallel_rank: int | None = None
+
+
+_ALL_CLEARED_WIRE = _AllBlocksClearedWire()
+
+# --------------------------------------------------------------------------------------------------
+# Positional (array) form of older publishers: ["BlockStored", block_hashes, ...]. Trailing fields
+# may be missing (defaults) or extra (ignored by msgspec for array_like structs).
+
+
+class _ArrayEvent(msgspec.Struct, array_like=True, gc=False):
+    pass
+
+
+class _BlockStoredArray(_ArrayEvent, tag="BlockStored"):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class _BlockRemovedArray(_ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class _AllBlocksClearedArray(_ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+_ArrayEventUnion: TypeAlias = _BlockStoredArray | _BlockRemovedArray | _AllBlocksClearedArray
+
+
+class _ArrayEventsBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_ArrayEventUnion]
+    data_parallel_rank: int | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Map-form batch, and lenient untagged map events for the generic path (BlockStored maps may omit
+# everything but block_hashes, as some third-party publishers do).
+
+
+class _MapBatch(msgspec.Struct, gc=False):
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+class _LenientBlockStored(msgspec.Struct, gc=False):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None = None
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class _LenientBlockRemoved(msgspec.Struct, gc=False):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class _LenientAllBlocksCleared(msgspec.Struct, gc=False):
+    pass
+
+
+_EVENT_TYPES: dict[str, type[KVCacheEvent]] = {
+    "BlockStored": BlockStored,
+    "BlockRemoved": BlockRemoved,
+    "AllBlocksCleared": AllBlocksCleared,
+}
+_LENIENT_MAP: dict[str, type[msgspec.Struct]] = {
+    "BlockStored": _LenientBlockStored,
+    "BlockRemoved": _LenientBlockRemoved,
+    "AllBlocksCleared": _LenientAllBlocksCleared,
+}
+# Twin struct type → public event type; the twins share the public field order.
+_TO_PUBLIC: dict[type[msgspec.Struct], type[KVCacheEvent]] = {
+    _BlockStoredArray: BlockStored,
+    _BlockRemovedArray: BlockRemoved,
+    _AllBlocksClearedArray: AllBlocksCleared,
+    _LenientBlockStored: BlockStored,
+    _LenientBlockRemoved: BlockRemoved,
+    _LenientAllBlocksCleared: AllBlocksCleared,
+}
+_TO_WIRE: dict[type[KVCacheEvent], type[_WireEvent]] = {
+    BlockStored: _BlockStoredWire,
+    BlockRemoved: _BlockRemovedWire,
+}
+
+
+def _check_twins() -> None:
+    """Conversions go positionally (``astuple``), so every twin must list the public fields in order."""
+    pairs = [*_TO_PUBLIC.items(), *((w, p) for p, w in _TO_WIRE.items())]
+    for twin, public in pairs:
+        assert twin.__struct_fields__ == public.__struct_fields__, f"{twin.__name__} fields drifted"
+
+
+_check_twins()
+
 # msgspec raises UnicodeDecodeError (a ValueError) for invalid UTF-8 inside str fields.
 _DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError)
 _encoder = msgspec.msgpack.Encoder()
-_fast_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_map_events_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_array_events_decoder = msgspec.msgpack.Decoder(_ArrayEventsBatch)
+_map_batch_decoder = msgspec.msgpack.Decoder(_MapBatch)
 _any_decoder = msgspec.msgpack.Decoder()
+
+
+def _to_public(twin: msgspec.Struct) -> KVEvent:
+    event: KVEvent = _TO_PUBLIC[type(twin)](*astuple(twin))  # type: ignore[assignment]
+    return event
+
+
+def _to_wire_slow(event: object) -> _WireEvent:
+    if type(event) is AllBlocksCleared:
+        return _ALL_CLEARED_WIRE
+    raise TypeError(f"not a KV event: {type(event).__name__}")
 
 
 def encode_batch(
     events: list[KVEvent], ts: float | None = None, data_parallel_rank: int | None = None
 ) -> bytes:
-    """Serialize events as one vLLM batch payload."""
-    return _encoder.encode(KVEventBatch(time.time() if ts is None else ts, events, data_parallel_rank))
+    """Serialize events as one vLLM batch payload (byte-identical to vLLM's encoder)."""
+    to_wire = _TO_WIRE.get
+    wire = [w(*astuple(e)) if (w := to_wire(type(e))) is not None else _to_wire_slow(e) for e in events]
+    return _encoder.encode(_WireBatch(time.time() if ts is None else ts, wire, data_parallel_rank))
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
@@ -96,10 +315,25 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     Raises:
         ProtocolError: the payload is not a KV event batch.
     """
-    try:
-        return _fast_decoder.decode(payload)
-    except _DECODE_ERRORS:
-        pass
+    # fixmap, map16, map32: a map-form batch.
+    if payload[:1] and (0x80 <= payload[0] <= 0x8F or payload[0] in (0xDE, 0xDF)):
+        try:
+            mb = _map_batch_decoder.decode(payload)
+        except _DECODE_ERRORS:
+            pass
+        else:
+            return KVEventBatch(mb.ts, mb.events, mb.data_parallel_rank)
+    else:
+        try:
+            return _map_events_decoder.decode(payload)
+        except _DECODE_ERRORS:
+            pass
+        try:
+            ab = _array_events_decoder.decode(payload)
+        except _DECODE_ERRORS:
+            pass
+        else:
+            return KVEventBatch(ab.ts, [_to_public(e) for e in ab.events], ab.data_parallel_rank)
     try:
         raw = _any_decoder.decode(payload)
     except _DECODE_ERRORS as exc:
@@ -125,79 +359,33 @@ def _normalize_batch(raw: Any) -> KVEventBatch:
 
 
 def normalize_event(raw: Any) -> KVEvent:
-    """Build a typed event from a generic decoded array or map.
+    """Build a typed event from a generic decoded map (``{"type": ...}``) or positional array.
+
+    Map events may omit every field but ``block_hashes``; unknown keys and unknown extra trailing
+    array elements are ignored.
 
     Raises:
         ProtocolError: unknown type tag or fields of the wrong type.
     """
     if isinstance(raw, dict):
         tag = raw.get("type")
-        cls = _EVENT_TYPES.get(tag) if isinstance(tag, str) else None
-        if cls is None:
+        lenient = _LENIENT_MAP.get(tag) if isinstance(tag, str) else None
+        if lenient is None:
             raise ProtocolError(f"unknown event type {tag!r}")
-        fields = cls.__struct_fields__
-        # Unknown keys are dropped (newer publishers append fields); known ones are validated.
-        values = {k: v for k, v in raw.items() if k in fields}
         try:
-            return msgspec.convert(values, type=_MAP_FORMS[cls])._to_event()
+            return _to_public(msgspec.convert(raw, type=lenient))
         except _DECODE_ERRORS as exc:
             raise ProtocolError(f"bad {tag} event: {exc}") from exc
     if isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
         cls = _EVENT_TYPES.get(raw[0])
         if cls is None:
             raise ProtocolError(f"unknown event type {raw[0]!r}")
-        body = list(raw[1 : 1 + len(cls.__struct_fields__)])
+        body = list(raw[: 1 + len(cls.__struct_fields__)])
         try:
-            return msgspec.convert([raw[0], *body], type=KVEvent)
+            return _to_public(msgspec.convert(body, type=_ArrayEventUnion))
         except _DECODE_ERRORS as exc:
             raise ProtocolError(f"bad {raw[0]} event: {exc}") from exc
     raise ProtocolError(f"event must be a tagged array or a map with 'type', got {type(raw).__name__}")
-
-
-class _BlockStoredMap(msgspec.Struct):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None = None
-    token_ids: list[int] = msgspec.field(default_factory=list)
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-
-    def _to_event(self) -> KVEvent:
-        return BlockStored(
-            self.block_hashes,
-            self.parent_block_hash,
-            self.token_ids,
-            self.block_size,
-            self.lora_id,
-            self.medium,
-            self.lora_name,
-            self.extra_keys,
-            self.group_idx,
-        )
-
-
-class _BlockRemovedMap(msgspec.Struct):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None = None
-    group_idx: int | None = None
-
-    def _to_event(self) -> KVEvent:
-        return BlockRemoved(self.block_hashes, self.medium, self.group_idx)
-
-
-class _AllBlocksClearedMap(msgspec.Struct):
-    def _to_event(self) -> KVEvent:
-        return AllBlocksCleared()
-
-
-_MAP_FORMS: dict[type[KVCacheEvent], Any] = {
-    BlockStored: _BlockStoredMap,
-    BlockRemoved: _BlockRemovedMap,
-    AllBlocksCleared: _AllBlocksClearedMap,
-}
 
 
 def event_to_json_dict(event: KVEvent) -> dict[str, Any]:
@@ -216,6 +404,8 @@ def event_to_json_dict(event: KVEvent) -> dict[str, Any]:
                 "block_size": event.block_size,
                 "lora_name": event.lora_name,
                 "medium": event.medium,
+                "group_idx": event.group_idx,
+                "kv_cache_spec_kind": event.kv_cache_spec_kind,
             }
         case BlockRemoved():
             return {
@@ -226,6 +416,8 @@ def event_to_json_dict(event: KVEvent) -> dict[str, Any]:
                 "block_size": None,
                 "lora_name": None,
                 "medium": event.medium,
+                "group_idx": event.group_idx,
+                "kv_cache_spec_kind": None,
             }
         case AllBlocksCleared():
             return {
@@ -236,5 +428,7 @@ def event_to_json_dict(event: KVEvent) -> dict[str, Any]:
                 "block_size": None,
                 "lora_name": None,
                 "medium": None,
+                "group_idx": None,
+                "kv_cache_spec_kind": None,
             }
     raise AssertionError(f"unhandled event type {type(event).__name__}")

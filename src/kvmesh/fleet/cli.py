@@ -18,6 +18,13 @@ def register(subparsers: Any) -> None:
     up.add_argument(
         "--model", default="smollm2", help="engine --model (smollm2, tiny-random-llama, a directory)"
     )
+    up.add_argument(
+        "--engine",
+        choices=["kvmesh", "vllm"],
+        default="kvmesh",
+        help="kvmesh reference engines (default) or real vLLM servers (CPU build, .venv-vllm; "
+        "--engine-arg then takes vLLM flags)",
+    )
     up.add_argument("--emulate", default=None, help="engine --emulate PRESET (no tensors, GPU cost model)")
     up.add_argument(
         "--shared",
@@ -42,6 +49,12 @@ def register(subparsers: Any) -> None:
     demo.add_argument(
         "--replicas", type=int, default=None, help="real-model replicas (default 4; 3 with --quick)"
     )
+    demo.add_argument(
+        "--engine",
+        choices=["vllm", "kvmesh"],
+        default=None,
+        help="real-model replicas: vllm (default where vLLM runs) or the kvmesh reference engine",
+    )
     demo.add_argument("--skip-real", action="store_true", help="only the emulated llm-d comparison")
     demo.add_argument("--skip-emulated", action="store_true", help="only the real-model comparison")
     demo.add_argument("--run-dir", type=Path, default=None, help="logs and shared tier (default: temp dir)")
@@ -59,7 +72,10 @@ def _fleet_table(fleet: Any) -> Table:
     if fleet.router_url:
         table.add_row(f"router ({fleet.router_policy})", fleet.router_url, "", str(fleet.router.log_path))
     for e in fleet.engines:
-        table.add_row(e.process.name, e.url, e.events_endpoint or "", str(e.process.log_path))
+        events = e.events_endpoint or ""
+        if e.replay_endpoint:
+            events += f" (replay {e.replay_endpoint})"
+        table.add_row(e.process.name, e.url, events, str(e.process.log_path))
     table.add_row("shared tier", fleet.store_url or "(none)", "", "")
     return table
 
@@ -83,6 +99,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         router_args=split_args(args.router_arg),
         run_dir=args.run_dir,
         health_timeout_s=args.health_timeout,
+        engine=args.engine,
     )
 
     async def main() -> int:
@@ -137,6 +154,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         run_dir=args.run_dir,
         json_path=args.json_path,
         plot_dir=args.plot_dir,
+        engine=args.engine,
     )
     from kvmesh.bench.report import make_console
 

@@ -5,6 +5,10 @@ Part 1, a real model. SmolLM2-135M replicas on CPU serve a shared-prefix workloa
 - baseline: round-robin routing, each replica with only its own prefix cache;
 - kvmesh: precise (KV-event) routing, plus a shared-directory store every replica reads and writes.
 
+The replicas are real vLLM servers (the CPU build, ``KVMeshConnector`` for the store) wherever vLLM
+runs; elsewhere, or with ``--engine kvmesh``, kvmesh's reference engine, and the demo says so. With
+vLLM it also times one long prompt computed on one replica and loaded by another.
+
 Part 2, an emulated llm-d fleet: 8 pods with Qwen3-32B TP2 H100 cost models serve llm-d's
 73-capacity workload, scaled to this machine (see :mod:`kvmesh.bench.presets`), once per scheduler:
 random, load, approximate, precise.
@@ -13,6 +17,8 @@ random, load, approximate, precise.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +38,10 @@ from kvmesh.bench.report import (
 )
 from kvmesh.bench.runner import RunOptions, RunResult
 from kvmesh.bench.workloads import SharedPrefixWorkload
-from kvmesh.fleet.launcher import Fleet, FleetConfig, SharedTier
+from kvmesh.fleet import demo_vllm
+from kvmesh.fleet.launcher import EngineKind, Fleet, FleetConfig, SharedTier
+from kvmesh.fleet.process import FleetError
+from kvmesh.fleet.vllm import vllm_unavailable_reason
 
 EMULATED_POLICIES = ("random", "load", "approximate", "precise")
 
@@ -47,6 +56,24 @@ class DemoOptions:
     json_path: Path | None = None
     plot_dir: Path | None = None
     progress: bool = True
+    engine: EngineKind | None = None
+    """Real-model replicas: ``None`` picks vLLM where it runs, the kvmesh engine elsewhere."""
+
+
+def resolve_engine(options: DemoOptions) -> tuple[EngineKind, str | None]:
+    """The real-model engine to use, and why vLLM is not used when it is not.
+
+    Raises:
+        FleetError: vLLM was asked for explicitly and cannot run here.
+    """
+    if options.engine == "kvmesh":
+        return "kvmesh", "--engine kvmesh"
+    reason = vllm_unavailable_reason()
+    if reason is None:
+        return "vllm", None
+    if options.engine == "vllm":
+        raise FleetError(f"--engine vllm: {reason}")
+    return "kvmesh", reason
 
 
 REAL_SYSTEM_PROMPT_LEN = 256
@@ -91,8 +118,8 @@ def real_workload(quick: bool, num_replicas: int) -> SharedPrefixWorkload:
     )
 
 
-def _real_table(runs: dict[str, RunResult]) -> Table:
-    table = Table(title="real model: SmolLM2-135M replicas on CPU")
+def _real_table(runs: dict[str, RunResult], title: str = "real model: SmolLM2-135M replicas on CPU") -> Table:
+    table = Table(title=title)
     for col in (
         "setup",
         "hit rate",
@@ -217,6 +244,56 @@ async def run_emulated(options: DemoOptions, console: Console, fleet: Fleet) -> 
     return runs
 
 
+HIGH_HOST_LOAD = 0.25
+"""Share of the machine's CPU time used by other work above which emulated timings are distorted."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostLoad:
+    """CPU time other processes used while the demo was idle, and the 1-minute load average."""
+
+    busy_fraction: float
+    load_avg_1m: float
+    num_cpus: int
+
+    @property
+    def high(self) -> bool:
+        return self.busy_fraction > HIGH_HOST_LOAD
+
+
+def _cpu_times() -> tuple[int, int]:
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    values = [int(v) for v in fields]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)
+    return sum(values[:8]), idle
+
+
+async def measure_host_load(seconds: float = 2.0) -> HostLoad | None:
+    """Sample /proc/stat over ``seconds`` while the demo itself idles (``None`` where unreadable)."""
+    try:
+        total0, idle0 = _cpu_times()
+        await asyncio.sleep(seconds)
+        total1, idle1 = _cpu_times()
+    except (OSError, ValueError, IndexError):
+        return None
+    total = max(total1 - total0, 1)
+    return HostLoad(1.0 - (idle1 - idle0) / total, os.getloadavg()[0], os.cpu_count() or 1)
+
+
+def describe_host_load(load: HostLoad) -> str:
+    text = (
+        f"host load before the emulated runs: {load.busy_fraction:.0%} of {load.num_cpus} cores busy with other "
+        f"work (1-min load average {load.load_avg_1m:.2f})"
+    )
+    if load.high:
+        text += (
+            " — [bold yellow]high[/bold yellow]: emulated engines sleep by a GPU cost model but their "
+            "bookkeeping and the router share these cores, so queues form where an H100 fleet would have "
+            "none; the gaps between schedulers below are smaller than on an idle machine"
+        )
+    return text
+
+
 async def run_demo(options: DemoOptions, console: Console) -> int:
     """Start every fleet the demo needs at once, run both parts, stop everything.
 
@@ -225,7 +302,17 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
     """
     t0 = time.monotonic()
     base_dir = options.run_dir or Path(f"/tmp/kvmesh-demo-{int(time.time())}")
-    real_fleets = [Fleet(c) for c in real_fleet_configs(options, base_dir)] if options.real else []
+    engine, why_not_vllm = resolve_engine(options) if options.real else ("kvmesh", None)
+    num_vllm = demo_vllm.replicas(options.quick, options.replicas)
+    if not options.real:
+        real_fleets: list[Fleet] = []
+    elif engine == "vllm":
+        real_fleets = [Fleet(c) for c in demo_vllm.fleet_configs(num_vllm, base_dir)]
+    else:
+        console.print(
+            f"[yellow]real-model part runs kvmesh's reference engine, not vLLM: {why_not_vllm}[/yellow]"
+        )
+        real_fleets = [Fleet(c) for c in real_fleet_configs(options, base_dir)]
     emulated = Fleet(emulated_fleet_config(options, base_dir)) if options.emulated else None
     fleets = [*real_fleets, *([emulated] if emulated is not None else [])]
     all_runs: dict[str, dict[str, RunResult]] = {}
@@ -236,9 +323,25 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
         ):
             await asyncio.gather(*(f.start() for f in fleets))
         console.print(f"[dim]fleets up in {time.monotonic() - t0:.0f} s; logs under {base_dir}[/dim]")
-        if real_fleets:
+        if real_fleets and engine == "vllm":
+            runs, probe = await demo_vllm.run(
+                console, real_fleets, num_vllm, quick=options.quick, progress=options.progress
+            )
+            labels = [label for label, _, _ in demo_vllm.SETUPS]
+            console.print(
+                _real_table(runs, title=f"real vLLM: {num_vllm} replicas (CPU build), SmolLM2-135M")
+            )
+            console.print(demo_vllm.explain(runs[labels[0]], runs[labels[1]], probe, num_vllm))
+            all_runs["real"] = runs
+            if probe is not None and options.json_path is not None:
+                probe_path = options.json_path.with_name(f"{options.json_path.stem}-probe.json")
+                probe_path.write_text(json.dumps(probe.to_dict(), indent=2))
+        elif real_fleets:
             all_runs["real"] = await run_real(options, console, real_fleets)
         if emulated is not None:
+            load = await measure_host_load()
+            if load is not None:
+                console.print(describe_host_load(load))
             all_runs["emulated"] = await run_emulated(options, console, emulated)
     finally:
         await asyncio.gather(*(f.aclose() for f in fleets), return_exceptions=True)

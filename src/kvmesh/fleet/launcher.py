@@ -14,7 +14,10 @@ and from the command line as ``kvmesh up``. Every process runs in its own proces
 ``async with`` block (normally, on error, or on cancellation) stops them all.
 
 Engines are started with ``kvmesh engine`` and the router with ``kvmesh router`` of the same Python
-interpreter, so the fleet always runs the code that launched it.
+interpreter, so the fleet always runs the code that launched it. With ``engine="vllm"`` the replicas
+are real vLLM servers from ``.venv-vllm`` (:mod:`kvmesh.fleet.vllm`), loading and saving KV through
+``KVMeshConnector`` when there is a shared tier, and the router reads their KV events and replay
+sockets from a generated ``router.yaml`` (vLLM has no ``/kvmesh/info`` to discover them from).
 """
 
 from __future__ import annotations
@@ -43,9 +46,13 @@ from kvmesh.fleet.process import (
     tcp_probe,
     wait_until,
 )
+from kvmesh.fleet.vllm import VllmReplica, vllm_unavailable_reason
 
 SharedTier = Literal["dir", "redis", "valkey", "none"]
+EngineKind = Literal["kvmesh", "vllm"]
 HOST = "127.0.0.1"
+VLLM_HEALTH_TIMEOUT_S = 480.0
+"""vLLM replicas on a 2-core machine take 60-150 s to start (several at once: longer)."""
 
 
 @dataclass(slots=True)
@@ -64,6 +71,8 @@ class FleetConfig:
         engine_args / router_args: extra flags appended to each command.
         run_dir: where logs and the shared directory go; a fresh temporary directory by default.
         events: give every engine a ZMQ KV-event endpoint (``--events``).
+        engine: ``kvmesh`` (the reference engine) or ``vllm`` (real vLLM servers; ``engine_args``
+            are then vLLM flags, e.g. ``--num-gpu-blocks-override 16``).
     """
 
     num_engines: int = 2
@@ -81,8 +90,13 @@ class FleetConfig:
     health_timeout_s: float = 180.0
     stop_grace_s: float = 10.0
     env: dict[str, str] = field(default_factory=dict)
+    engine: EngineKind = "kvmesh"
 
     def __post_init__(self) -> None:
+        if self.engine not in ("kvmesh", "vllm"):
+            raise ValueError(f"engine must be kvmesh or vllm, got {self.engine!r}")
+        if self.engine == "vllm" and self.emulate:
+            raise ValueError("emulated engines are kvmesh engines; drop emulate or use engine='kvmesh'")
         if self.num_engines <= 0:
             raise ValueError(f"num_engines must be > 0, got {self.num_engines}")
         if self.shared not in ("dir", "redis", "valkey", "none"):
@@ -98,6 +112,7 @@ class EngineHandle:
     port: int
     events_endpoint: str | None
     process: ManagedProcess
+    replay_endpoint: str | None = None
 
 
 def valkey_server_binary() -> str | None:
@@ -148,6 +163,8 @@ class Fleet:
         self._own_run_dir = config.run_dir is None
         self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="kvmesh-fleet-"))
         self.engines: list[EngineHandle] = []
+        self.vllm_replicas: list[VllmReplica] = []
+        """The running vLLM servers' settings (``engine="vllm"`` only)."""
         self.router: ManagedProcess | None = None
         self.router_url: str | None = None
         self.router_policy: str | None = None
@@ -307,10 +324,57 @@ class Fleet:
             argv += ["--store", self.store_url]
         return argv + list(cfg.engine_args)
 
+    def _vllm_replicas(self) -> list[VllmReplica]:
+        from kvmesh.core.models import resolve_model
+
+        reason = vllm_unavailable_reason()
+        if reason is not None:
+            raise FleetError(f"engine vllm: {reason}")
+        model_dir = resolve_model(self.config.model).path
+        n = self.config.num_engines
+        ports = free_ports(3 * n)
+        cores = os.cpu_count() or 1
+        return [
+            VllmReplica(
+                name=f"engine-{i}",
+                port=ports[3 * i],
+                events_port=ports[3 * i + 1] if self.config.events else 0,
+                replay_port=ports[3 * i + 2] if self.config.events else 0,
+                model_dir=model_dir,
+                store=self.store_url,
+                cpu_core=i % cores,
+                dev_mode=True,
+                extra_args=tuple(self.config.engine_args),
+            )
+            for i in range(n)
+        ]
+
+    def _start_vllm_engines(self) -> None:
+        self.vllm_replicas = self._vllm_replicas()
+        for i, replica in enumerate(self.vllm_replicas):
+            proc = ManagedProcess(
+                replica.name, replica.argv(), self.logs_dir / f"{replica.name}.log", replica.env(self._env)
+            )
+            proc.start()
+            self.engines.append(
+                EngineHandle(
+                    index=i,
+                    url=replica.url,
+                    port=replica.port,
+                    events_endpoint=replica.events_endpoint,
+                    process=proc,
+                    replay_endpoint=replica.replay_endpoint,
+                )
+            )
+
     async def start_engines(self) -> None:
         """Start ``num_engines`` engines (any running ones are stopped first) and wait for /health."""
         if self.engines:
             await self.stop_engines()
+        if self.config.engine == "vllm":
+            self._start_vllm_engines()
+            await self._wait_engines_healthy(max(self.config.health_timeout_s, VLLM_HEALTH_TIMEOUT_S))
+            return
         n = self.config.num_engines
         ports = free_ports(2 * n if self.config.events else n)
         for i in range(n):
@@ -332,12 +396,13 @@ class Fleet:
                     process=proc,
                 )
             )
+        await self._wait_engines_healthy(self.config.health_timeout_s)
+
+    async def _wait_engines_healthy(self, timeout_s: float) -> None:
         session = self._http()
         await asyncio.gather(
             *(
-                wait_until(
-                    e.process, http_probe(session, e.url + "/health"), self.config.health_timeout_s, "/health"
-                )
+                wait_until(e.process, http_probe(session, e.url + "/health"), timeout_s, "/health")
                 for e in self.engines
             )
         )
@@ -375,13 +440,30 @@ class Fleet:
 
     # --- router ----------------------------------------------------------------------------------
 
+    def _vllm_router_config(self) -> Path:
+        """A router YAML naming each vLLM replica's event and replay sockets (JSON is YAML)."""
+        from kvmesh.core.models import resolve_model
+
+        config = {
+            "model": "smollm2",
+            "tokenizer": str(resolve_model(self.config.model).path),
+            "endpoints": [
+                {"url": e.url, "eventsEndpoint": e.events_endpoint, "replayEndpoint": e.replay_endpoint}
+                for e in self.engines
+            ],
+        }
+        path = self.run_dir / "router.yaml"
+        path.write_text(json.dumps(config, indent=2))
+        return path
+
     def _router_argv(self, port: int, policy: str, scheduler_config: str | None) -> list[str]:
         argv = [sys.executable, "-m", "kvmesh", "router", "--host", HOST, "--port", str(port)]
-        argv += ["--endpoints", ",".join(self.engine_urls)]
-        if self.config.router_config:
-            argv += ["--config", self.config.router_config]
+        if self.config.engine == "vllm":
+            argv += ["--config", str(self._vllm_router_config()), "--policy", policy]
+        elif self.config.router_config:
+            argv += ["--endpoints", ",".join(self.engine_urls), "--config", self.config.router_config]
         else:
-            argv += ["--policy", policy]
+            argv += ["--endpoints", ",".join(self.engine_urls), "--policy", policy]
         if scheduler_config:
             argv += ["--scheduler-config", scheduler_config]
         return argv + list(self.config.router_args)
@@ -433,6 +515,7 @@ class Fleet:
                 {
                     "url": e.url,
                     "events": e.events_endpoint,
+                    "replay": e.replay_endpoint,
                     "pid": e.process.pid,
                     "log": str(e.process.log_path),
                 }

@@ -24,6 +24,8 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmesh.core.hashing import Namespace
+
 VLLM_PYTHON_ENV = "KVMESH_VLLM_PYTHON"
 UNAVAILABLE_MARKER = ".venv-vllm.unavailable"
 """Written next to the virtualenv by the install script when vLLM cannot be installed or run here."""
@@ -93,6 +95,9 @@ class VllmReplica:
         max_model_len: context limit (small keeps memory and start-up down).
         connector_extra: more ``kv_connector_extra_config`` entries.
         hash_seed: ``PYTHONHASHSEED`` of the replica, so block hashes agree across replicas.
+        dev_mode: expose vLLM's development routes (``POST /reset_prefix_cache``), for benchmarks
+            that empty caches between runs.
+        extra_args: more vLLM flags, e.g. ``("--num-gpu-blocks-override", "16")``.
     """
 
     name: str
@@ -108,10 +113,21 @@ class VllmReplica:
     max_model_len: int = 4096
     connector_extra: tuple[tuple[str, str], ...] = ()
     hash_seed: str = "0"
+    dev_mode: bool = False
+    extra_args: tuple[str, ...] = ()
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def store_namespace(self) -> Namespace:
+        """The namespace ``KVMeshConnector`` in this replica keys its chunks with (one worker, no
+        LoRA, no tenant), read from the model directory's ``config.json``."""
+        config = json.loads((self.model_dir / "config.json").read_text())
+        heads = int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+        layout = f"L{int(config['num_hidden_layers'])}xH{int(config.get('num_key_value_heads') or heads)}xD{head_dim}"
+        return Namespace(self.served_name, kv_dtype=self.dtype, kv_layout=layout)
 
     @property
     def events_endpoint(self) -> str | None:
@@ -181,7 +197,7 @@ class VllmReplica:
         transfer = self.kv_transfer_config()
         if transfer is not None:
             args += ["--kv-transfer-config", json.dumps(transfer)]
-        return args
+        return args + list(self.extra_args)
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
         """The process environment: offline, a fixed hash seed, the CPU KV cache size and binding."""
@@ -195,4 +211,9 @@ class VllmReplica:
         )
         if self.cpu_core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        # The fleet's single-thread defaults for kvmesh engines would starve vLLM's own thread pool.
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env.pop(name, None)
         return env
