@@ -35,17 +35,12 @@ from kvmesh.core.events import (
     encode_batch,
 )
 from kvmesh.core.types import PodId
+from kvmesh.fleet.vllm import vllm_python
 
-VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+VLLM_PYTHON = vllm_python()
 
-pytestmark = [
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists(),
-        reason=f"vLLM's own virtualenv is not installed ({VLLM_PYTHON} missing); these tests run vLLM's "
-        "real decoder and publisher from it",
-    ),
-    pytest.mark.timeout(300),
-]
+# vLLM's real decoder and publisher run in its own virtualenv; without it these fail (conftest).
+pytestmark = [pytest.mark.usefixtures("vllm_available"), pytest.mark.timeout(300)]
 
 # Executed both here (with kvmesh's structs) and in the vLLM subprocess (with vLLM's), so both sides
 # build the same events from the same positional arguments, in vLLM's field order.
