@@ -105,7 +105,7 @@ class CrossReplicaProbe:
         }
 
 
-async def _stream_once(
+async def stream_first_token(
     session: aiohttp.ClientSession, url: str, prompt: list[int]
 ) -> tuple[float, str, int, int]:
     """(TTFT, text, prompt tokens, cached tokens) of one greedy one-token streamed completion."""
@@ -149,13 +149,13 @@ async def cross_replica_probe(fleet: Fleet, *, timeout_s: float = 120.0) -> Cros
     prompt = [1000 + (i * 7919) % 40_000 for i in range(PROBE_TOKENS + 37)]
     a, b = fleet.engines[0].url, fleet.engines[1].url
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        cold_ttft, cold_text, n, _ = await _stream_once(session, a, prompt)
-        await asyncio.to_thread(_wait_for_store, fleet, prompt, timeout_s)
-        loaded_ttft, loaded_text, _, cached = await _stream_once(session, b, prompt)
+        cold_ttft, cold_text, n, _ = await stream_first_token(session, a, prompt)
+        await asyncio.to_thread(wait_for_store, fleet, prompt, timeout_s)
+        loaded_ttft, loaded_text, _, cached = await stream_first_token(session, b, prompt)
     return CrossReplicaProbe(n, cold_ttft, loaded_ttft, cached, cold_text == loaded_text)
 
 
-def _wait_for_store(fleet: Fleet, prompt: list[int], timeout_s: float) -> int:
+def wait_for_store(fleet: Fleet, prompt: list[int], timeout_s: float) -> int:
     """Wait until the shared store holds every whole chunk of ``prompt`` (a timeout only costs the
     probe its hits); returns the tokens found."""
     assert fleet.store_url is not None and fleet.vllm_replicas
