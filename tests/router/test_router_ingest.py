@@ -119,11 +119,14 @@ def test_all_blocks_cleared_drops_only_that_pod():
     assert ap.stats.num_orphans == 1
 
 
-def test_block_size_mismatch_and_short_tokens_are_bad_events():
+def test_block_size_mismatch_and_short_tokens_are_counted_apart():
     idx, ap = make()
-    ap.apply(A, BlockStored([1], None, TOKENS[:32], 32))
+    ap.apply(A, BlockStored([1], None, TOKENS[:24], 24))  # 24 is not a multiple of 16
     ap.apply(A, BlockStored([1, 2], None, TOKENS[:20], 16))
-    assert ap.stats.num_bad_events == 2
+    ap.apply(A, BlockStored([1], None, TOKENS[:16], 32))  # a multiple, but 16 tokens short
+    ap.apply(A, BlockStored([1], None, TOKENS[:16], 0))
+    assert ap.stats.num_block_size_mismatch == 1
+    assert ap.stats.num_bad_events == 3
     assert idx.stats().num_keys == 0
 
 

@@ -4,6 +4,7 @@ breakers, timeouts and corruption."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -205,3 +206,30 @@ async def test_metrics_render_per_instance() -> None:
 def test_duplicate_tier_names_are_rejected() -> None:
     with pytest.raises(ValueError, match="unique"):
         TieredStore([Tier("cpu", MemoryBackend(10)), Tier("cpu", MemoryBackend(10))], ChunkCodec())
+
+
+class SlowPuts(FlakyBackend):
+    """Writes take ``put_delay_s``; everything else is instant."""
+
+    put_delay_s = 0.3
+
+    async def put_many(self, items: Sequence[tuple[StoreKey, bytes]]) -> int:
+        await asyncio.sleep(self.put_delay_s)
+        return await super().put_many(items)
+
+
+async def test_write_timeout_grows_with_the_bytes_written() -> None:
+    """A healthy tier that needs 0.3 s for a write: a small write over a 0.2 s limit is dropped,
+    a 4 MiB one gets 0.05 s more per MiB and lands."""
+    slow = SlowPuts()
+    store, _, _ = two_tier(slow, timeout_s=0.2, queued=True)
+    await store.put([(KEYS[0], make_chunk(KEYS[0]))])
+    await store.drain()
+    assert store.tiers[1].counters.timeouts == 1
+    big = make_chunk(KEYS[1], tokens=32_768)
+    assert len(big) >= 4 << 20
+    await store.put([(KEYS[1], big)])
+    await store.drain()
+    assert await slow.inner.exists_many([KEYS[0], KEYS[1]]) == [False, True]
+    assert store.tiers[1].counters.timeouts == 1
+    await store.aclose()

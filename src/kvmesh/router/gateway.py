@@ -127,6 +127,7 @@ class Gateway:
         self.model: str | None = config.model
         self.revision: str | None = config.revision
         self.applier: EventApplier | None = None
+        self.metrics.watch_ingest(lambda: self.applier)
         self.intake: EventIntake | None = None
         self.pool: EndpointPool | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -240,6 +241,7 @@ class Gateway:
             max_blocks_per_pod=self.config.index.max_blocks_per_pod,
             memo=self.memo,
         )
+        self.scheduler.align_match = self.applier.align_match
         self.intake = EventIntake(self.applier, topic=self.config.events_topic)
         for pod, (endpoint, replay) in self._pending_events.items():
             self.intake.add_pod(pod, endpoint, replay)
@@ -403,7 +405,9 @@ class Gateway:
         def match() -> PrefixMatch:
             from kvmesh.router.prefix import match_prefix
 
-            return match_prefix(index, self.scheduler.hasher(routing.namespace), routing.tokens, self.memo)
+            found = match_prefix(index, self.scheduler.hasher(routing.namespace), routing.tokens, self.memo)
+            align = self.scheduler.align_match
+            return found if align is None else align(found)
 
         try:
             return await asyncio.to_thread(match)
@@ -610,6 +614,7 @@ class Gateway:
                 replay_endpoint=e.replay_endpoint,
                 last_error=e.last_error,
                 indexed_blocks=self.applier.num_blocks(e.state.pod) if self.applier is not None else 0,
+                block_size=self.applier.pod_block_size(e.state.pod) if self.applier is not None else None,
             )
             out.append(item)
         return web.Response(body=msgspec.json.encode({"endpoints": out}), content_type="application/json")
@@ -677,6 +682,8 @@ class Gateway:
         if self.applier is not None:
             body["ingest"] = asdict(self.applier.stats)
             body["model"] = self.applier.model
+            body["block_size"] = self.applier.block_size
+            body["pods"] = self.applier.pod_stats()
         if self.intake is not None:
             body["subscriber"] = asdict(self.intake.subscriber.stats)
         if isinstance(self.tokenizer, CachedTokenizer):

@@ -17,11 +17,34 @@ the tenant salt found in ``extra_keys`` of block 0 (vLLM's ``cache_salt`` travel
 Each pod's map is bounded; when it overflows, the oldest blocks leave the index too, so the
 router never keeps an entry it could no longer remove.
 
+Engine block size. Each pod's block size is learned from its BlockStored events
+(:meth:`EventApplier.pod_block_size`). A pod whose blocks are ``k`` times the router's (vLLM on CPU
+uses 128 tokens, the router 16) has each engine block re-hashed into ``k`` router blocks::
+
+    engine hash ──► (last sub-key, namespace id, MediumSet)     as above: chains continue from it
+    engine hash ──► (sub-key 0, ..., sub-key k-1)                only for such expanded blocks
+
+so the index holds router-granularity keys only and prompt matching is unchanged. A prompt that
+leaves a cached prefix inside such an engine block matches up to ``k - 1`` sub-keys more than the
+engine can reuse; :meth:`EventApplier.align_match` rounds each pod's match down to its own block
+boundaries (exactly its real reuse). A block size the router's does not divide cannot be keyed:
+those events are counted (``num_block_size_mismatch``) and one warning per pod names the router
+block size that would fix it.
+
+KV cache groups. vLLM announces the same tokens once per KV cache group (hybrid models: sliding
+window, Mamba, full attention, ...) and tags events with ``group_idx`` and, from 0.32,
+``kv_cache_spec_kind``. Only full-prefix kinds (full attention, MLA, sink full attention; untagged
+events count as full attention) describe a reusable prefix, and one such group is enough: each pod
+indexes its lowest full-attention group and skips the others (``num_skipped_groups``), removals
+included, so the engine-hash map never mixes groups (whose hashes are equal for equal tokens).
+
 All mutation happens on one thread (the event loop that receives the events).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -33,11 +56,28 @@ from kvmesh.core.types import BlockKey, ExternalBlockHash, Medium, PodId
 from kvmesh.router.index import MEDIUM_BITS, BlockIndex, MediumSet
 from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.prefix import as_token_array
+from kvmesh.router.types import PrefixMatch
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BLOCKS_PER_POD = 1_000_000
 
+PREFIX_KV_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+"""``kv_cache_spec_kind`` values whose blocks hold a full prefix (an untagged event counts too)."""
+
 _Entry = tuple[BlockKey, int, int]
-"""(our key, namespace id, MediumSet bits)"""
+"""(our key, namespace id, MediumSet bits); for an expanded engine block, its last sub-key"""
+
+_SubKeys = dict[ExternalBlockHash, tuple[BlockKey, ...]]
+"""Per pod: the router keys of each engine block larger than a router block."""
+
+_SLOWEST_FIRST = (Medium.SHARED, Medium.DISK, Medium.CPU, Medium.GPU)
+
+_HAS_SPEC_KIND = "kv_cache_spec_kind" in BlockStored.__struct_fields__
+"""Whether this events module carries vLLM 0.32's ``kv_cache_spec_kind`` (else it is always unset)."""
+
+_NO_GROUP = -1
+"""The group rank of events without ``group_idx`` (lowest: an untagged publisher has one group)."""
 
 
 @dataclass(slots=True)
@@ -51,8 +91,13 @@ class IngestStats:
         num_clears: AllBlocksCleared events and pod drops.
         num_orphans: BlockStored chains whose parent hash was unknown (skipped).
         num_unknown_hashes: removed or token-less stored hashes never seen stored.
-        num_bad_events: events that could not be used (block size mismatch, short token list).
+        num_bad_events: malformed BlockStored events (short token list, token ids not u32,
+            block size not positive), skipped.
         num_overflow: blocks pushed out because a pod's map was full.
+        num_block_size_mismatch: BlockStored events whose block size is not a multiple of the
+            router's, skipped (the pod is routed by load only; a warning names the fix).
+        num_skipped_groups: BlockStored and BlockRemoved events of KV cache groups not indexed
+            (sliding window, Mamba, ... or a second full-attention group), skipped.
     """
 
     num_events: int = 0
@@ -63,6 +108,8 @@ class IngestStats:
     num_unknown_hashes: int = 0
     num_bad_events: int = 0
     num_overflow: int = 0
+    num_block_size_mismatch: int = 0
+    num_skipped_groups: int = 0
 
 
 class EventApplier:
@@ -71,10 +118,11 @@ class EventApplier:
     Args:
         index: where the blocks go.
         model: the model name used in every namespace (must equal the engines' namespace model).
-        block_size: tokens per block; events with another block size are counted and skipped.
+        block_size: the router's tokens per block. Events whose block size is a multiple of it are
+            re-hashed into router blocks; other sizes are counted and skipped.
         algo: the engines' key digest.
         revision: model revision in the namespace.
-        max_blocks_per_pod: bound on each pod's engine-hash map.
+        max_blocks_per_pod: bound on each pod's engine-hash map (engine blocks).
         memo: where to keep the keys computed from event tokens, so request matching can skip
             re-hashing them (``None``: nothing kept).
     """
@@ -101,6 +149,14 @@ class EventApplier:
         self.memo = memo
         self.stats = IngestStats()
         self._pods: dict[PodId, dict[ExternalBlockHash, _Entry]] = {}
+        self._sub_keys: dict[PodId, _SubKeys] = {}
+        """Only pods with engine blocks larger than the router's have an entry."""
+        self._block_sizes: dict[PodId, int] = {}
+        self._groups: dict[PodId, int] = {}
+        """The KV cache group indexed per pod (:data:`_NO_GROUP` for untagged events); only pods
+        that announced a group or kind have an entry, so untagged streams skip the group checks."""
+        self._noted: set[tuple[PodId, int, str]] = set()
+        """(pod, block size or group, why) already logged: one line per pod and cause."""
         self._namespaces: list[Namespace] = []
         self._hashers: dict[tuple[str, str], tuple[BlockHasher, int]] = {}
 
@@ -122,8 +178,74 @@ class EventApplier:
         return entry
 
     def num_blocks(self, pod: PodId) -> int:
-        """Blocks the applier currently tracks for ``pod``."""
+        """Engine blocks the applier currently tracks for ``pod``."""
         return len(self._pods.get(pod, ()))
+
+    def pod_block_size(self, pod: PodId) -> int | None:
+        """Tokens per block of ``pod``'s engine, from its latest BlockStored with tokens."""
+        return self._block_sizes.get(pod)
+
+    def pod_block_sizes(self) -> dict[PodId, int]:
+        """Every pod's learned engine block size (a copy)."""
+        return dict(self._block_sizes)
+
+    def pod_kv_group(self, pod: PodId) -> int | None:
+        """The KV cache group indexed for ``pod`` (``None``: untagged events or none seen yet)."""
+        group = self._groups.get(pod, _NO_GROUP)
+        return None if group == _NO_GROUP else group
+
+    def pod_stats(self) -> dict[PodId, dict[str, int | None]]:
+        """Per pod: engine block size, engine blocks tracked and the KV cache group indexed."""
+        return {
+            pod: {
+                "block_size": self._block_sizes.get(pod),
+                "blocks": self.num_blocks(pod),
+                "kv_group": self.pod_kv_group(pod),
+            }
+            for pod in sorted(self._pods.keys() | self._block_sizes.keys())
+        }
+
+    def align_match(self, match: PrefixMatch) -> PrefixMatch:
+        """Round each pod's match down to whole engine blocks of that pod (in place).
+
+        A pod whose blocks are ``k`` router blocks long is indexed with all ``k`` sub-keys of each
+        block, so a prompt that leaves its cached prefix inside an engine block matches up to
+        ``k - 1`` router blocks more than the engine can reuse (it only reuses whole blocks). This
+        removes them; pods whose block size is the router's are untouched, and nothing is done when
+        no pod has larger blocks. Trailing blocks are taken from the slowest tiers first (an engine
+        evicts a chain's tail first).
+
+        Returns:
+            ``match``.
+        """
+        if not self._sub_keys or match.block_size != self.block_size:
+            return match
+        sizes = self._block_sizes
+        bs = self.block_size
+        dropped: list[PodId] = []
+        for pod, pod_match in match.pods.items():
+            per = sizes.get(pod, bs) // bs
+            extra = pod_match.num_blocks % per if per > 1 else 0
+            if not extra:
+                continue
+            pod_match.num_blocks -= extra
+            by_tier = pod_match.blocks_by_tier
+            for tier in _SLOWEST_FIRST:
+                n = by_tier.get(tier, 0)
+                if n:
+                    take = min(n, extra)
+                    if take == n:
+                        del by_tier[tier]
+                    else:
+                        by_tier[tier] = n - take
+                    extra -= take
+                    if not extra:
+                        break
+            if not pod_match.num_blocks:
+                dropped.append(pod)
+        for pod in dropped:
+            del match.pods[pod]
+        return match
 
     def apply_batch(self, pod: PodId, batch: KVEventBatch) -> None:
         """Apply every event of one batch, in order."""
@@ -144,18 +266,37 @@ class EventApplier:
     def drop_pod(self, pod: PodId) -> int:
         """Forget every block of ``pod`` (cache cleared, publisher restarted, endpoint removed).
 
+        The pod's block size stays known (see :meth:`forget_pod`); its KV cache group is learned
+        again from its next events.
+
         Returns:
             Index entries dropped.
         """
         self.stats.num_clears += 1
+        self._groups.pop(pod, None)
+        return self._drop_blocks(pod)
+
+    def forget_pod(self, pod: PodId) -> int:
+        """:meth:`drop_pod`, and forget the pod's block size too (it left the fleet).
+
+        Returns:
+            Index entries dropped.
+        """
+        dropped = self.drop_pod(pod)
+        self._block_sizes.pop(pod, None)
+        self._noted = {note for note in self._noted if note[0] != pod}
+        return dropped
+
+    def _drop_blocks(self, pod: PodId) -> int:
         self._pods.pop(pod, None)
+        self._sub_keys.pop(pod, None)
         return self.index.clear_pod(pod)
 
     def flush_namespace(self, lora: str | None = None, tenant: str | None = None) -> int:
         """Forget every block of the namespaces matching ``lora`` and ``tenant`` (``None`` = any).
 
         Returns:
-            Blocks removed, summed over pods.
+            Engine blocks removed, summed over pods.
         """
         wanted = {
             i
@@ -165,16 +306,38 @@ class EventApplier:
         total = 0
         for pod, blocks in self._pods.items():
             gone = [h for h, (_, ns_id, _) in blocks.items() if ns_id in wanted]
-            keys = [blocks.pop(h)[0] for h in gone]
-            if keys:
-                self.index.remove(keys, pod)
-                total += len(keys)
+            if gone:
+                self.index.remove(self._pop_keys(pod, blocks, gone), pod)
+                total += len(gone)
         return total
+
+    def _pop_keys(
+        self, pod: PodId, blocks: dict[ExternalBlockHash, _Entry], hashes: Sequence[ExternalBlockHash]
+    ) -> list[BlockKey]:
+        """Forget tracked ``hashes`` of ``pod``; their router keys, every sub-key included."""
+        sub = self._sub_keys.get(pod)
+        if sub is None:
+            return [blocks.pop(h)[0] for h in hashes]
+        keys: list[BlockKey] = []
+        for h in hashes:
+            key = blocks.pop(h)[0]
+            expanded = sub.pop(h, None)
+            if expanded is None:
+                keys.append(key)
+            else:
+                keys.extend(expanded)
+        return keys
 
     def _stored(self, pod: PodId, ev: BlockStored) -> None:
         hashes = ev.block_hashes
         n = len(hashes)
         if n == 0:
+            return
+        if (
+            ev.group_idx is not None
+            or self._groups
+            or (_HAS_SPEC_KIND and getattr(ev, "kv_cache_spec_kind", None) is not None)
+        ) and not self._admit_group(pod, ev):
             return
         bits = MEDIUM_BITS[Medium.parse(ev.medium)]
         blocks = self._pods.get(pod)
@@ -185,7 +348,12 @@ class EventApplier:
             self._add_tier(pod, blocks, hashes, bits)
             return
         bs = self.block_size
-        if ev.block_size != bs or len(tokens) < n * bs:
+        engine_bs = ev.block_size
+        self._block_sizes[pod] = engine_bs
+        if engine_bs != bs:
+            self._stored_resized(pod, ev, blocks, bits)
+            return
+        if len(tokens) < n * bs:
             self.stats.num_bad_events += 1
             return
         try:
@@ -217,10 +385,126 @@ class EventApplier:
             for h, key in zip(hashes, keys, strict=True):
                 old = get(h)
                 blocks[h] = (key, ns_id, bits if old is None else old[2] | bits)
+            sub = self._sub_keys.get(pod)
+            if sub:
+                for h in hashes:
+                    sub.pop(h, None)
         self.index.add(keys, pod, MediumSet(bits))
         self.stats.num_blocks_stored += n
         if len(blocks) > self.max_blocks_per_pod:
             self._overflow(pod, blocks)
+
+    def _stored_resized(
+        self, pod: PodId, ev: BlockStored, blocks: dict[ExternalBlockHash, _Entry], bits: int
+    ) -> None:
+        """A BlockStored whose engine block size differs from the router's."""
+        bs = self.block_size
+        engine_bs = ev.block_size
+        if engine_bs <= 0:
+            self.stats.num_bad_events += 1
+            return
+        if engine_bs % bs:
+            self.stats.num_block_size_mismatch += 1
+            self._warn_mismatch(pod, engine_bs)
+            return
+        hashes = ev.block_hashes
+        n = len(hashes)
+        per = engine_bs // bs
+        tokens = ev.token_ids
+        need = n * engine_bs
+        if len(tokens) < need:
+            self.stats.num_bad_events += 1
+            return
+        try:
+            token_array = as_token_array(tokens[:need] if len(tokens) > need else tokens)
+        except ValueError:
+            self.stats.num_bad_events += 1
+            return
+        if (pod, engine_bs, "size") not in self._noted:
+            self._noted.add((pod, engine_bs, "size"))
+            logger.info(
+                "pod %s publishes %d-token KV blocks: each is indexed as %d router blocks of %d tokens",
+                pod,
+                engine_bs,
+                per,
+                bs,
+            )
+        if ev.parent_block_hash is None:
+            hasher, ns_id = self._hasher_entry(*self._chain_namespace(ev))
+            parent_key = hasher.root
+            keys = hasher.hash_blocks(token_array, None, n * per)
+        else:
+            parent = blocks.get(ev.parent_block_hash)
+            if parent is None:
+                self.stats.num_orphans += 1
+                return
+            ns_id = parent[1]
+            ns = self._namespaces[ns_id]
+            hasher = self._hasher_entry(ns.lora, ns.tenant)[0]
+            parent_key = parent[0]  # the parent's last sub-key: the chain value after its tokens
+            keys = hasher.hash_blocks(token_array, parent_key, n * per)
+        if self.memo is not None:
+            # Router-block granularity: n * per keys over the same n * engine_bs tokens.
+            self.memo.remember(parent_key, token_array.tobytes(), keys)
+        sub = self._sub_keys.get(pod)
+        if sub is None:
+            sub = self._sub_keys[pod] = {}
+        get = blocks.get
+        for i, h in enumerate(hashes):
+            expanded = tuple(keys[i * per : (i + 1) * per])
+            old = get(h)
+            blocks[h] = (expanded[-1], ns_id, bits if old is None else old[2] | bits)
+            sub[h] = expanded
+        self.index.add(keys, pod, MediumSet(bits))
+        self.stats.num_blocks_stored += n
+        if len(blocks) > self.max_blocks_per_pod:
+            self._overflow(pod, blocks)
+
+    def _warn_mismatch(self, pod: PodId, engine_bs: int) -> None:
+        if (pod, engine_bs, "mismatch") in self._noted:
+            return
+        self._noted.add((pod, engine_bs, "mismatch"))
+        fix = math.gcd(engine_bs, *(size for size in self._block_sizes.values() if size > 0))
+        logger.warning(
+            "pod %s publishes %d-token KV blocks, which the router's %d-token blocks do not divide: "
+            "its KV events are skipped and it is routed by load only. Set the router's blockSize to "
+            "%d (--block-size %d), which divides the block size of every pod seen so far",
+            pod,
+            engine_bs,
+            self.block_size,
+            fix,
+            fix,
+        )
+
+    def _admit_group(self, pod: PodId, ev: BlockStored) -> bool:
+        """Whether a BlockStored of this KV cache group is indexed for ``pod``."""
+        kind = getattr(ev, "kv_cache_spec_kind", None)
+        group = _NO_GROUP if ev.group_idx is None else ev.group_idx
+        if kind is not None and kind not in PREFIX_KV_KINDS:
+            self.stats.num_skipped_groups += 1
+            if (pod, group, "kind") not in self._noted:
+                self._noted.add((pod, group, "kind"))
+                logger.info(
+                    "pod %s: KV cache group %s (%s) is not indexed: only full-attention groups hold "
+                    "reusable prefixes",
+                    pod,
+                    ev.group_idx,
+                    kind,
+                )
+            return False
+        chosen = self._groups.get(pod)
+        if chosen == group:
+            return True
+        if chosen is None or group < chosen:
+            if chosen is not None:
+                # A lower full-attention group showed up (events seen from mid-stream): index that
+                # one. The other group's blocks leave, since its removals will no longer be followed.
+                logger.info("pod %s: indexing KV cache group %s instead of %s", pod, ev.group_idx, chosen)
+                self._drop_blocks(pod)
+            self._groups[pod] = group
+            return True
+        self.stats.num_skipped_groups += 1
+        return False
 
     def _add_tier(
         self,
@@ -229,24 +513,38 @@ class EventApplier:
         hashes: Sequence[ExternalBlockHash],
         bits: int,
     ) -> None:
+        sub = self._sub_keys.get(pod)
         keys: list[BlockKey] = []
+        num_added = 0
         for h in hashes:
             entry = blocks.get(h)
             if entry is None:
                 self.stats.num_unknown_hashes += 1
                 continue
             blocks[h] = (entry[0], entry[1], entry[2] | bits)
-            keys.append(entry[0])
+            expanded = None if sub is None else sub.get(h)
+            if expanded is None:
+                keys.append(entry[0])
+            else:
+                keys.extend(expanded)
+            num_added += 1
         if keys:
             self.index.add(keys, pod, MediumSet(bits))
-            self.stats.num_blocks_stored += len(keys)
+            self.stats.num_blocks_stored += num_added
 
     def _removed(self, pod: PodId, ev: BlockRemoved) -> None:
+        group = ev.group_idx
+        if (group is not None or self._groups) and not self._in_indexed_group(pod, group):
+            self.stats.num_skipped_groups += 1
+            return
         blocks = self._pods.get(pod)
         if blocks is None:
             self.stats.num_unknown_hashes += len(ev.block_hashes)
             return
         bits = MEDIUM_BITS[Medium.parse(ev.medium)]
+        if self._sub_keys and pod in self._sub_keys:
+            self._removed_expanded(pod, blocks, self._sub_keys[pod], ev.block_hashes, bits)
+            return
         keys: list[BlockKey] = []
         for h in ev.block_hashes:
             entry = blocks.get(h)
@@ -263,6 +561,43 @@ class EventApplier:
             self.index.remove(keys, pod, MediumSet(bits))
             self.stats.num_blocks_removed += len(keys)
 
+    def _removed_expanded(
+        self,
+        pod: PodId,
+        blocks: dict[ExternalBlockHash, _Entry],
+        sub: _SubKeys,
+        hashes: Sequence[ExternalBlockHash],
+        bits: int,
+    ) -> None:
+        """:meth:`_removed` for a pod with engine blocks larger than the router's."""
+        keys: list[BlockKey] = []
+        num_removed = 0
+        for h in hashes:
+            entry = blocks.get(h)
+            if entry is None:
+                self.stats.num_unknown_hashes += 1
+                continue
+            left = entry[2] & ~bits
+            if left:
+                blocks[h] = (entry[0], entry[1], left)
+                expanded = sub.get(h)
+            else:
+                del blocks[h]
+                expanded = sub.pop(h, None)
+            if expanded is None:
+                keys.append(entry[0])
+            else:
+                keys.extend(expanded)
+            num_removed += 1
+        if keys:
+            self.index.remove(keys, pod, MediumSet(bits))
+            self.stats.num_blocks_removed += num_removed
+
+    def _in_indexed_group(self, pod: PodId, group_idx: int | None) -> bool:
+        """Whether a BlockRemoved of this group concerns the group indexed for ``pod``."""
+        group = _NO_GROUP if group_idx is None else group_idx
+        return self._groups.get(pod, group) == group
+
     def _overflow(self, pod: PodId, blocks: dict[ExternalBlockHash, _Entry]) -> None:
         excess = len(blocks) - self.max_blocks_per_pod
         oldest = []
@@ -270,9 +605,8 @@ class EventApplier:
             oldest.append(h)
             if len(oldest) >= excess:
                 break
-        keys = [blocks.pop(h)[0] for h in oldest]
-        self.index.remove(keys, pod)
-        self.stats.num_overflow += len(keys)
+        self.index.remove(self._pop_keys(pod, blocks, oldest), pod)
+        self.stats.num_overflow += len(oldest)
 
     @staticmethod
     def _namespace_fields(lora_name: str | None, extra_keys: list[Any] | None) -> tuple[str, str]:

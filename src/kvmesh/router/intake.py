@@ -58,10 +58,10 @@ class EventIntake:
         self.subscriber.add_publisher(pod, endpoint, replay_endpoint)
 
     def remove_pod(self, pod: PodId) -> None:
-        """Stop receiving from ``pod`` and forget its blocks."""
+        """Stop receiving from ``pod`` and forget its blocks and learned block size."""
         self._sources.pop(pod, None)
         self.subscriber.remove_publisher(pod)
-        self.applier.drop_pod(pod)
+        self.applier.forget_pod(pod)
 
     def start(self) -> None:
         """Start receiving on the running loop."""

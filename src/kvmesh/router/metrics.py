@@ -10,14 +10,77 @@
 ``kvmesh_router_schedule_seconds``              tokenize + match + pick, per request
 ``kvmesh_router_retries_total``                 connect failures retried on the next endpoint
 ``kvmesh_router_errors_total{kind}``            requests answered with an error, by cause
+``kvmesh_router_ingest_*_total``                the event applier's counters (``IngestStats``
+                                                without ``num_``): ``..._block_size_mismatch``,
+                                                ``..._skipped_groups``, ``..._bad_events``, ...
+``kvmesh_router_pod_block_size{endpoint}``      each pod's engine block size, from its events
+``kvmesh_router_pod_indexed_blocks{endpoint}``  engine blocks tracked per pod
 ==============================================  =============================================
+
+The ingest figures are read from the applier when scraped (no per-event cost).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from dataclasses import fields
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvmesh.router.ingest import EventApplier, IngestStats
+
+_INGEST_HELP = {
+    "num_events": "KV events applied",
+    "num_blocks_stored": "Engine blocks added to the index",
+    "num_blocks_removed": "Engine blocks removed from some tier",
+    "num_clears": "AllBlocksCleared events and pod drops",
+    "num_orphans": "BlockStored chains skipped because their parent hash was unknown",
+    "num_unknown_hashes": "Removed or token-less stored hashes never seen stored",
+    "num_bad_events": "Malformed BlockStored events skipped",
+    "num_overflow": "Engine blocks pushed out because a pod's map was full",
+    "num_block_size_mismatch": "BlockStored events skipped: block size not a multiple of the router's",
+    "num_skipped_groups": "Events of KV cache groups not indexed (sliding window, Mamba, second group)",
+}
+
+
+class IngestCollector:
+    """Exports an :class:`EventApplier`'s counters and per-pod block sizes at scrape time.
+
+    Args:
+        source: returns the applier (``None`` until the gateway has created it).
+    """
+
+    def __init__(self, source: Callable[[], EventApplier | None]) -> None:
+        self._source = source
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        applier = self._source()
+        if applier is None:
+            return
+        stats = applier.stats
+        for f in fields(IngestStats):
+            name = f.name.removeprefix("num_")
+            yield CounterMetricFamily(
+                f"kvmesh_router_ingest_{name}", _INGEST_HELP.get(f.name, f.name), value=getattr(stats, f.name)
+            )
+        sizes = GaugeMetricFamily(
+            "kvmesh_router_pod_block_size", "Engine KV block size (tokens) per pod", labels=["endpoint"]
+        )
+        blocks = GaugeMetricFamily(
+            "kvmesh_router_pod_indexed_blocks", "Engine blocks tracked per pod", labels=["endpoint"]
+        )
+        for pod, info in applier.pod_stats().items():
+            if info["block_size"] is not None:
+                sizes.add_metric([pod], info["block_size"])
+            blocks.add_metric([pod], info["blocks"] or 0)
+        yield sizes
+        yield blocks
+
 
 _LATENCY_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 
@@ -59,6 +122,10 @@ class RouterMetrics:
 
         self._scorer_children: dict[str, Any] = {}
         self._decision_children: dict[str, Any] = {}
+
+    def watch_ingest(self, source: Callable[[], EventApplier | None]) -> None:
+        """Export the ingest counters and per-pod block sizes of the applier ``source`` returns."""
+        self.registry.register(IngestCollector(source))
 
     def observe_scorer(self, scorer: str, seconds: float) -> None:
         """Record one scorer run (the scheduler's ``on_timing`` hook)."""

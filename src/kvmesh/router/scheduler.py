@@ -115,6 +115,11 @@ class Scheduler:
         clock: seconds counter used only to time scorers (``None``: no timing).
         on_timing: called with ``(scorer name, seconds)`` after each scorer runs when ``clock`` is set.
         memo: block keys already computed from event tokens (speeds up matching; optional).
+
+    Attributes:
+        align_match: applied to every index match; the gateway sets it to
+            :meth:`~kvmesh.router.ingest.EventApplier.align_match` so pods with engine blocks larger
+            than the router's are credited only whole engine blocks (``None``: matches as found).
     """
 
     def __init__(
@@ -149,6 +154,7 @@ class Scheduler:
         self.memo = memo
         self._default_picker = MaxScorePicker(self.rng)
         self._hashers: dict[Namespace, BlockHasher] = {}
+        self.align_match: Callable[[PrefixMatch], PrefixMatch] | None = None
 
     @classmethod
     def from_config(
@@ -195,7 +201,8 @@ class Scheduler:
         hasher = self.hasher(request.namespace)
         if self.index is None:
             return PrefixMatch(hasher.num_full_blocks(request.num_tokens), self.block_size)
-        return match_prefix(self.index, hasher, request.tokens, self.memo)
+        match = match_prefix(self.index, hasher, request.tokens, self.memo)
+        return match if self.align_match is None else self.align_match(match)
 
     def rank(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[PodId] | None:
         """The default profile's ranking of the healthy ``endpoints``, best first.

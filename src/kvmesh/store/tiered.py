@@ -43,6 +43,12 @@ _DECODE_IN_THREAD_BYTES = 1 << 20
 _CLOSE_DRAIN_S = 5.0
 
 
+WRITE_SECONDS_PER_MIB = 0.05
+"""Extra timeout per MiB written (a 20 MiB/s floor): float32 chunks of small models are ~12 MiB
+each, and a batch of them on a busy machine outlasts a fixed one-second limit while the tier is
+healthy. Writes run in the background, so a longer limit never stalls an engine."""
+
+
 @dataclass(slots=True)
 class Tier:
     """One tier and how the store treats it.
@@ -126,21 +132,30 @@ class TieredStore:
 
     # ----------------------------------------------------------------- tier calls
 
-    async def _call(self, tier: Tier, op: str, fn: Callable[[], Awaitable[T]]) -> T | None:
-        """Run one backend call under the tier's breaker and timeout; ``None`` when it failed."""
+    async def _call(
+        self, tier: Tier, op: str, fn: Callable[[], Awaitable[T]], *, num_bytes: int = 0
+    ) -> T | None:
+        """Run one backend call under the tier's breaker and timeout; ``None`` when it failed.
+
+        A call that carries ``num_bytes`` gets :data:`WRITE_SECONDS_PER_MIB` more per MiB: the
+        timeout tells a dead tier from a live one, not a large batch from a small one.
+        """
         if not tier.breaker.allow():
             tier.counters.breaker_rejections += 1
             return None
         start = time.perf_counter()
+        timeout = (
+            None if tier.timeout_s is None else tier.timeout_s + num_bytes / (1 << 20) * WRITE_SECONDS_PER_MIB
+        )
         try:
-            if tier.timeout_s is None:
+            if timeout is None:
                 result = await fn()
             else:
-                result = await asyncio.wait_for(fn(), tier.timeout_s)
+                result = await asyncio.wait_for(fn(), timeout)
         except TimeoutError:
             tier.counters.timeouts += 1
             tier.breaker.record_failure()
-            log.warning("store tier %s: %s timed out after %.3f s", tier.name, op, tier.timeout_s)
+            log.warning("store tier %s: %s timed out after %.3f s", tier.name, op, timeout)
             return None
         except TierUnavailableError as exc:
             tier.counters.unavailable += 1
@@ -361,7 +376,9 @@ class TieredStore:
             items = [item for item, held in zip(items, present, strict=True) if not held]
             if not items:
                 return
-        stored = await self._call(tier, "put", partial(backend.put_many, items))
+        stored = await self._call(
+            tier, "put", partial(backend.put_many, items), num_bytes=sum(len(v) for _, v in items)
+        )
         if stored is None:
             tier.counters.dropped_writes += len(items)
             return
