@@ -306,3 +306,12 @@ def test_well_formed_payloads_take_the_typed_paths(monkeypatch):
         msgspec.msgpack.encode(to_map_batch(batch)),
     ):
         assert decode_batch(payload) == batch
+
+
+def test_wire_media_map_to_tiers() -> None:
+    from kvmesh.core.types import Medium
+
+    assert Medium.parse(None) is Medium.GPU and Medium.parse("gpu") is Medium.GPU
+    assert Medium.parse("CPU") is Medium.CPU and Medium.parse("host") is Medium.CPU
+    assert Medium.parse("STORAGE") is Medium.DISK  # vLLM's MEDIUM_STORAGE (offloaded to storage)
+    assert Medium.parse("valkey") is Medium.SHARED

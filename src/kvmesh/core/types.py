@@ -44,4 +44,6 @@ class Medium(StrEnum):
             return cls.SHARED
         if upper in {"CPU_PINNED", "HOST", "DRAM"}:
             return cls.CPU
+        if upper in {"STORAGE", "SSD", "LOCAL_DISK"}:  # vLLM's offloading connectors say STORAGE
+            return cls.DISK
         return cls.GPU
