@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
+import numpy as np
+
 from kvmesh.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, BlockHasher, HashAlgo, Namespace
 from kvmesh.core.types import BlockKey, ExternalBlockHash, Medium, PodId
@@ -361,20 +363,10 @@ class EventApplier:
         except ValueError:
             self.stats.num_bad_events += 1
             return
-        if ev.parent_block_hash is None:
-            hasher, ns_id = self._hasher_entry(*self._chain_namespace(ev))
-            parent_key = hasher.root
-            keys = hasher.hash_blocks(token_array, None, n)
-        else:
-            parent = blocks.get(ev.parent_block_hash)
-            if parent is None:
-                self.stats.num_orphans += 1
-                return
-            ns_id = parent[1]
-            ns = self._namespaces[ns_id]
-            hasher = self._hasher_entry(ns.lora, ns.tenant)[0]
-            parent_key = parent[0]
-            keys = hasher.hash_blocks(token_array, parent_key, n)
+        chain = self._chain_keys(ev, blocks, token_array, n)
+        if chain is None:
+            return
+        parent_key, ns_id, keys = chain
         if self.memo is not None:
             self.memo.remember(parent_key, token_array[: n * bs].tobytes(), keys)
         if blocks.keys().isdisjoint(hashes):
@@ -393,6 +385,28 @@ class EventApplier:
         self.stats.num_blocks_stored += n
         if len(blocks) > self.max_blocks_per_pod:
             self._overflow(pod, blocks)
+
+    def _chain_keys(
+        self,
+        ev: BlockStored,
+        blocks: dict[ExternalBlockHash, _Entry],
+        token_array: np.ndarray,
+        num_keys: int,
+    ) -> tuple[BlockKey, int, list[BlockKey]] | None:
+        """Router keys of ``num_keys`` router blocks of ``token_array``, chained from the event's
+        root or from its parent's entry, as (parent key, namespace id, keys); ``None`` (counted) when
+        the parent is unknown."""
+        if ev.parent_block_hash is None:
+            hasher, ns_id = self._hasher_entry(*self._chain_namespace(ev))
+            return hasher.root, ns_id, hasher.hash_blocks(token_array, None, num_keys)
+        parent = blocks.get(ev.parent_block_hash)
+        if parent is None:
+            self.stats.num_orphans += 1
+            return None
+        ns_id = parent[1]
+        ns = self._namespaces[ns_id]
+        hasher = self._hasher_entry(ns.lora, ns.tenant)[0]
+        return parent[0], ns_id, hasher.hash_blocks(token_array, parent[0], num_keys)
 
     def _stored_resized(
         self, pod: PodId, ev: BlockStored, blocks: dict[ExternalBlockHash, _Entry], bits: int
@@ -429,20 +443,11 @@ class EventApplier:
                 per,
                 bs,
             )
-        if ev.parent_block_hash is None:
-            hasher, ns_id = self._hasher_entry(*self._chain_namespace(ev))
-            parent_key = hasher.root
-            keys = hasher.hash_blocks(token_array, None, n * per)
-        else:
-            parent = blocks.get(ev.parent_block_hash)
-            if parent is None:
-                self.stats.num_orphans += 1
-                return
-            ns_id = parent[1]
-            ns = self._namespaces[ns_id]
-            hasher = self._hasher_entry(ns.lora, ns.tenant)[0]
-            parent_key = parent[0]  # the parent's last sub-key: the chain value after its tokens
-            keys = hasher.hash_blocks(token_array, parent_key, n * per)
+        # An expanded parent's entry holds its last sub-key: the chain value after its tokens.
+        chain = self._chain_keys(ev, blocks, token_array, n * per)
+        if chain is None:
+            return
+        parent_key, ns_id, keys = chain
         if self.memo is not None:
             # Router-block granularity: n * per keys over the same n * engine_bs tokens.
             self.memo.remember(parent_key, token_array.tobytes(), keys)
