@@ -215,7 +215,7 @@ def test_load_workload_accepts_inference_perf_layout():
 load:
   type: constant
   stages:
-    - {rate: 4, duration: 2}
+    - {rate: 4, duration: 2, warmup: true}
     - {rate: 8, duration: 1}
 data:
   type: shared_prefix
@@ -231,6 +231,7 @@ data:
     specs = list(w.requests())
     assert [s.stage for s in specs].count(0) == 7
     assert [s.stage for s in specs].count(1) == 7
+    assert w.stages is not None and [st.warmup for st in w.stages] == [True, False]
     assert all(36 <= len(s.prompt_token_ids) <= 44 for s in specs)
 
 
@@ -256,6 +257,18 @@ def test_load_workload_flat_layout_and_errors(tmp_path):
                 "question_len": 1,
                 "output_len": 1,
                 "stages": [{"rate": 0, "duration": 1}],
+            }
+        )
+    with pytest.raises(ConfigError, match="warmup"):
+        load_workload(
+            {
+                "type": "shared_prefix",
+                "num_groups": 1,
+                "num_prompts_per_group": 1,
+                "system_prompt_len": 1,
+                "question_len": 1,
+                "output_len": 1,
+                "stages": [{"rate": 1, "duration": 1, "warmup": "yes"}],
             }
         )
     with pytest.raises(ConfigError, match="mapping"):
@@ -298,3 +311,31 @@ def test_llmd_presets_state_their_scaling():
     assert "40 groups" in scaled.description and "20 output tokens" in scaled.description
     for path in scaled.scheduler_configs.values():
         assert Path(path).is_file()
+
+
+def test_mooncake_reads_gzip_traces_and_rejects_a_corrupt_one(tmp_path):
+    import gzip
+
+    rows = [{"timestamp": t, "input_length": 600, "output_length": 2, "hash_ids": [7, t]} for t in (0, 5)]
+    plain = tmp_path / "t.jsonl"
+    plain.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    packed = tmp_path / "t.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    a = list(MooncakeTraceWorkload(plain).requests())
+    b = list(MooncakeTraceWorkload(packed).requests())
+    assert [s.prompt_token_ids for s in a] == [s.prompt_token_ids for s in b]
+    assert b[1].reusable_prefix_len == 512  # hash id 7 is shared
+    broken = tmp_path / "broken.jsonl.gz"
+    broken.write_bytes(packed.read_bytes()[:-12])
+    with pytest.raises(ConfigError, match="unreadable trace"):
+        list(MooncakeTraceWorkload(broken).requests())
+
+
+def test_bundled_mooncake_traces_parse():
+    from pathlib import Path
+
+    traces = Path(__file__).resolve().parents[2] / "benchmarks" / "traces"
+    synthetic = MooncakeTraceWorkload(traces / "mooncake_synthetic_trace.jsonl.gz", max_requests=50)
+    specs = list(synthetic.requests())
+    assert len(specs) == 50
+    assert any(s.reusable_prefix_len > 0 for s in specs)

@@ -21,7 +21,7 @@ from typing import Literal
 from kvmesh.bench.workloads import SharedPrefixWorkload, Stage, Workload
 
 LLMD_STAGES = [
-    Stage(15, 50),
+    Stage(15, 50, warmup=True),
     Stage(3, 20),
     Stage(10, 20),
     Stage(15, 20),
@@ -98,9 +98,9 @@ ScaledSize = Literal["full", "demo", "quick"]
 LLMD_SCALED_STAGES: dict[str, list[Stage]] = {
     # warm-up issues each of the 200 prompts about once; then a staircase that overloads a fleet
     # without cache hits (about 14 QPS here) by 2-3x, as llm-d's 20-60 QPS stages do.
-    "full": [Stage(15, 14), Stage(25, 15), Stage(35, 15), Stage(40, 15)],
-    "demo": [Stage(15, 10), Stage(30, 10)],
-    "quick": [Stage(12, 5), Stage(25, 5)],
+    "full": [Stage(15, 14, warmup=True), Stage(25, 15), Stage(35, 15), Stage(40, 15)],
+    "demo": [Stage(15, 14, warmup=True), Stage(30, 12)],
+    "quick": [Stage(12, 5, warmup=True), Stage(25, 5)],
 }
 
 
@@ -128,7 +128,7 @@ def llmd_73_scaled(size: ScaledSize = "full", *, seed: int = 0) -> ScaledRun:
         f"llm-d 73-capacity scaled: {LLMD_SCALED_GROUPS} groups × 5 prompts (published 150 × 5), 6000+1200 prompt "
         f"tokens (unchanged), 20 output tokens (1000), per-pod KV {LLMD_SCALED_KV_CAPACITY:,} tokens "
         f"({LLMD_KV_CAPACITY:,}); Poisson stages QPS×s "
-        + ", ".join(f"{s.rate:g}×{s.duration:g}" for s in stages)
+        + ", ".join(f"{s.rate:g}×{s.duration:g}" + (" (warm-up)" if s.warmup else "") for s in stages)
     )
     return ScaledRun(w, 8, "qwen3-32b-h100-tp2", LLMD_SCALED_KV_CAPACITY, desc, dict(LLMD_SCHEDULERS))
 

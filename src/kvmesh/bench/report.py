@@ -70,8 +70,8 @@ def summary_table(run: RunResult, *, title: str | None = None) -> Table:
 
     if len(run.stages) > 1:
         for s in run.stages:
-            table.add_row(*row(str(s.stage), s))
-    table.add_row(*row("all", run.summary), style="bold")
+            table.add_row(*row(f"{s.stage} (warm-up)" if s.stage in run.warmup_stages else str(s.stage), s))
+    table.add_row(*row("measured" if run.warmup_stages else "all", run.summary), style="bold")
     return table
 
 
@@ -90,6 +90,8 @@ def compare_table(runs: Mapping[str, RunResult], *, title: str = "scheduler comp
         "failed",
     ):
         table.add_column(col, justify="right")
+    if any(run.warmup_stages for run in runs.values()):
+        table.caption = "warm-up stage excluded"
     for label, run in runs.items():
         s = run.summary
         table.add_row(

@@ -62,7 +62,11 @@ class RunOptions:
 
 @dataclass(slots=True)
 class RunResult:
-    """Every request's result, the queue samples, and the summaries derived from them."""
+    """Every request's result, the queue samples, and the summaries derived from them.
+
+    ``summary`` covers the measured stages: every stage but the workload's warm-up ones (listed in
+    ``warmup_stages``), or every request when the run has nothing else.
+    """
 
     label: str
     workload: str
@@ -71,6 +75,7 @@ class RunResult:
     stage_rates: list[float]
     summary: Summary
     stages: list[Summary]
+    warmup_stages: list[int] = field(default_factory=list)
 
     def to_dict(self, *, include_requests: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -78,6 +83,7 @@ class RunResult:
             "workload": self.workload,
             "summary": msgspec.to_builtins(self.summary),
             "stages": [msgspec.to_builtins(s) for s in self.stages],
+            "warmup_stages": list(self.warmup_stages),
         }
         if include_requests:
             out["requests"] = [msgspec.to_builtins(r) for r in self.results]
@@ -261,9 +267,10 @@ async def run_workload(
     """
     name = getattr(workload, "name", "requests")
     specs = list(workload.requests()) if hasattr(workload, "requests") else list(workload)
+    stages = getattr(workload, "stages", None) or []
     if not stage_rates:
-        stages = getattr(workload, "stages", None)
-        stage_rates = [s.rate for s in stages] if stages else []
+        stage_rates = [s.rate for s in stages]
+    warmup = [k for k, s in enumerate(stages) if getattr(s, "warmup", False)]
     results: list[RequestResult] = []
     queue: list[QueueSample] = []
     session_done: dict[str, asyncio.Future[None]] = {}
@@ -336,12 +343,14 @@ async def run_workload(
                     await asyncio.gather(sampler, return_exceptions=True)
     results.sort(key=lambda r: r.send_s)
     rates = list(stage_rates)
+    measured = [r for r in results if r.stage not in warmup]
     return RunResult(
         label=options.label,
         workload=name,
         results=results,
         queue=queue,
         stage_rates=rates,
-        summary=summarize(results, queue),
+        summary=summarize(measured or results, queue),
         stages=summarize_stages(results, queue, rates or None),
+        warmup_stages=warmup if measured else [],
     )

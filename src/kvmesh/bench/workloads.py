@@ -23,13 +23,14 @@ Every stream is a pure function of its parameters and ``seed``.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import Any, Literal, Protocol, TextIO, TypeAlias
 
 import yaml
 
@@ -43,10 +44,15 @@ DEFAULT_TOKEN_LOW = 100
 
 @dataclass(slots=True)
 class Stage:
-    """One load stage: ``rate`` requests per second for ``duration`` seconds."""
+    """One load stage: ``rate`` requests per second for ``duration`` seconds.
+
+    A ``warmup`` stage fills the fleet's caches; runs report it on its own row and leave it out of
+    their headline summary, as llm-d's benchmarks do with their first stage.
+    """
 
     rate: float
     duration: float
+    warmup: bool = False
 
     def __post_init__(self) -> None:
         if self.rate <= 0 or self.duration <= 0:
@@ -473,35 +479,50 @@ class MooncakeTraceWorkload:
     def _records(self) -> Iterator[tuple[int, dict[str, Any]]]:
         path = Path(self.path)
         try:
-            handle = path.open("r", encoding="utf-8")
+            handle: TextIO = (
+                gzip.open(path, "rt", encoding="utf-8")  # noqa: SIM115 - closed by the `with` below
+                if path.suffix == ".gz"
+                else path.open("r", encoding="utf-8")
+            )
         except OSError as exc:
             raise ConfigError(f"cannot open trace {path}: {exc}") from exc
         with handle:
-            for lineno, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                    ok = (
-                        isinstance(rec, dict)
-                        and isinstance(rec.get("timestamp"), int | float)
-                        and isinstance(rec.get("input_length"), int)
-                        and isinstance(rec.get("output_length"), int)
-                        and isinstance(rec.get("hash_ids"), list)
-                        and all(isinstance(h, int) for h in rec["hash_ids"])
-                    )
-                except json.JSONDecodeError as exc:
-                    raise ConfigError(f"{path}:{lineno}: not JSON ({exc.msg})") from exc
-                if not ok:
-                    raise ConfigError(
-                        f"{path}:{lineno}: expected timestamp, input_length, output_length (numbers) and hash_ids (ints)"
-                    )
-                if rec["input_length"] > len(rec["hash_ids"]) * self.block_tokens:
-                    raise ConfigError(
-                        f"{path}:{lineno}: input_length {rec['input_length']} exceeds "
-                        f"{len(rec['hash_ids'])} blocks of {self.block_tokens} tokens"
-                    )
-                yield lineno, rec
+            yield from self._parse_lines(path, handle)
+
+    def _parse_lines(self, path: Path, handle: TextIO) -> Iterator[tuple[int, dict[str, Any]]]:
+        lineno = 0
+        while True:
+            try:
+                line = handle.readline()
+            except (OSError, EOFError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"{path}:{lineno + 1}: unreadable trace ({exc})") from exc
+            if not line:
+                return
+            lineno += 1
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                ok = (
+                    isinstance(rec, dict)
+                    and isinstance(rec.get("timestamp"), int | float)
+                    and isinstance(rec.get("input_length"), int)
+                    and isinstance(rec.get("output_length"), int)
+                    and isinstance(rec.get("hash_ids"), list)
+                    and all(isinstance(h, int) for h in rec["hash_ids"])
+                )
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{path}:{lineno}: not JSON ({exc.msg})") from exc
+            if not ok:
+                raise ConfigError(
+                    f"{path}:{lineno}: expected timestamp, input_length, output_length (numbers) and hash_ids (ints)"
+                )
+            if rec["input_length"] > len(rec["hash_ids"]) * self.block_tokens:
+                raise ConfigError(
+                    f"{path}:{lineno}: input_length {rec['input_length']} exceeds "
+                    f"{len(rec['hash_ids'])} blocks of {self.block_tokens} tokens"
+                )
+            yield lineno, rec
 
     def requests(self) -> Iterator[RequestSpec]:
         blocks: dict[int, list[int]] = {}
@@ -544,12 +565,19 @@ def _parse_stages(raw: Any) -> list[Stage] | None:
     if raw is None:
         return None
     if not isinstance(raw, list) or not raw:
-        raise ConfigError(f"stages must be a non-empty list of {{rate, duration}}, got {raw!r}")
+        raise ConfigError(f"stages must be a non-empty list of {{rate, duration[, warmup]}}, got {raw!r}")
     stages = []
     for item in raw:
-        if not isinstance(item, Mapping) or set(item) != {"rate", "duration"}:
-            raise ConfigError(f"each stage must be {{rate, duration}}, got {item!r}")
-        stages.append(Stage(rate=float(item["rate"]), duration=float(item["duration"])))
+        if not isinstance(item, Mapping) or not {"rate", "duration"} <= set(item) <= {
+            "rate",
+            "duration",
+            "warmup",
+        }:
+            raise ConfigError(f"each stage must be {{rate, duration[, warmup]}}, got {item!r}")
+        warmup = item.get("warmup", False)
+        if not isinstance(warmup, bool):
+            raise ConfigError(f"a stage's warmup must be true or false, got {warmup!r}")
+        stages.append(Stage(rate=float(item["rate"]), duration=float(item["duration"]), warmup=warmup))
     return stages
 
 
