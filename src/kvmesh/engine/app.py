@@ -15,7 +15,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.core.event_transport import EventPublisher, NullEventPublisher, ZmqEventPublisher
+from kvmesh.core.event_transport import (
+    DEFAULT_TOPIC,
+    EventPublisher,
+    NullEventPublisher,
+    ZmqEventPublisher,
+)
 from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
 from kvmesh.core.tokens import Tokenizer
 from kvmesh.engine.emulated_runner import EmulatedRunner
@@ -41,6 +46,8 @@ class EngineOptions:
     events: str | None = None
     """ZMQ PUB endpoint for KV events (``tcp://127.0.0.1:0`` picks a port)."""
     events_replay: str | None = None
+    events_topic: str = DEFAULT_TOPIC
+    """First frame of every event message (vllm-router's static sources subscribe to ``""``)."""
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     kv_capacity_tokens: int | None = None
@@ -73,8 +80,8 @@ class _ClosingServer(EngineServer):
             await asyncio.to_thread(close)
 
 
-def _load_runner(opts: EngineOptions) -> tuple[ModelRunner, Tokenizer, str]:
-    """The runner, the tokenizer and the namespace revision."""
+def _load_runner(opts: EngineOptions) -> tuple[ModelRunner, Tokenizer, str, str]:
+    """The runner, the tokenizer, the namespace revision and the model directory."""
     from kvmesh.core.models import resolve_model
 
     files = resolve_model(opts.model)
@@ -87,7 +94,7 @@ def _load_runner(opts: EngineOptions) -> tuple[ModelRunner, Tokenizer, str]:
             eos_token_ids=tokenizer.eos_token_ids,
             max_model_len=opts.max_model_len,
         )
-        return runner, tokenizer, f"emulated:{opts.emulate}:{files.revision}"
+        return runner, tokenizer, f"emulated:{opts.emulate}:{files.revision}", str(files.path)
     from kvmesh.engine.torch_runner import TorchRunner
 
     torch_runner = TorchRunner.load(
@@ -98,7 +105,7 @@ def _load_runner(opts: EngineOptions) -> tuple[ModelRunner, Tokenizer, str]:
         num_threads=opts.num_threads,
     )
     assert torch_runner.tokenizer is not None, "TorchRunner.load returns a runner with its tokenizer"
-    return torch_runner, torch_runner.tokenizer, files.revision
+    return torch_runner, torch_runner.tokenizer, files.revision, str(files.path)
 
 
 async def build_engine(opts: EngineOptions, *, runner: ModelRunner | None = None,
@@ -116,9 +123,10 @@ async def build_engine(opts: EngineOptions, *, runner: ModelRunner | None = None
         ValueError: an unknown preset or inconsistent sizes.
     """
     if runner is not None and tokenizer is not None:
-        the_runner, the_tokenizer, revision = runner, tokenizer, str(getattr(runner, "revision", ""))
+        the_runner, the_tokenizer = runner, tokenizer
+        revision, model_path = str(getattr(runner, "revision", "")), ""
     else:
-        the_runner, the_tokenizer, revision = await asyncio.to_thread(_load_runner, opts)
+        the_runner, the_tokenizer, revision, model_path = await asyncio.to_thread(_load_runner, opts)
     runner, tokenizer = the_runner, the_tokenizer
     info = the_runner.info
     served = opts.served_model_name or info.model_name
@@ -153,7 +161,7 @@ async def build_engine(opts: EngineOptions, *, runner: ModelRunner | None = None
     publisher: EventPublisher = NullEventPublisher()
     events_endpoint = replay_endpoint = None
     if opts.events:
-        zmq_pub = ZmqEventPublisher(opts.events, opts.events_replay)
+        zmq_pub = ZmqEventPublisher(opts.events, opts.events_replay, topic=opts.events_topic)
         publisher = zmq_pub
         events_endpoint, replay_endpoint = zmq_pub.endpoint, zmq_pub.replay_endpoint
     core = EngineCore(the_runner, cache, sched, store=store, publisher=publisher)
@@ -165,7 +173,9 @@ async def build_engine(opts: EngineOptions, *, runner: ModelRunner | None = None
         stream_interval=interval,
         events_endpoint=events_endpoint,
         replay_endpoint=replay_endpoint,
+        events_topic=opts.events_topic if opts.events else None,
         hash_algo=opts.hash_algo,
+        model_path=model_path,
         revision=revision,
         emulate=opts.emulate,
         extra_info=dict(opts.extra_info),

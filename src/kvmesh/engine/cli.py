@@ -28,6 +28,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--events", metavar="ENDPOINT", help="ZMQ PUB endpoint for KV events, e.g. tcp://127.0.0.1:5557"
     )
     p.add_argument("--events-replay", metavar="ENDPOINT", help="ZMQ ROUTER endpoint for event replay")
+    p.add_argument(
+        "--events-topic",
+        metavar="TOPIC",
+        help="first frame of every KV event message (default kv-events; vLLM publishes '')",
+    )
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--kv-capacity-tokens", type=int)
@@ -75,6 +80,7 @@ def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from kvmesh.core.event_transport import DEFAULT_TOPIC
     from kvmesh.engine.app import EngineOptions, build_engine
     from kvmesh.engine.scheduler import Role
     from kvmesh.errors import KVMeshError
@@ -86,6 +92,7 @@ def _run(args: argparse.Namespace) -> int:
         store=args.store,
         events=args.events,
         events_replay=args.events_replay,
+        events_topic=DEFAULT_TOPIC if args.events_topic is None else args.events_topic,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_capacity_tokens=args.kv_capacity_tokens,

@@ -6,7 +6,9 @@ Routes::
     POST /v1/chat/completions        messages rendered with the model's chat template
     GET  /v1/models   GET /health   POST /tokenize   POST /detokenize   GET /metrics
     GET  /kvmesh/info                what a router needs to find this engine's event stream
-    GET  /server_info   GET /model_info   GET /version   POST /reset_prefix_cache
+    GET  /version   POST /reset_prefix_cache
+    GET  /model_info   GET /server_info   POST /v1/completions/render   ...   what SGLang's and vLLM's
+                                     routers read from a worker (:mod:`kvmesh.engine.peer_api`)
 
 Bad input gets OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
 status. A client that goes away (stream or not) cancels its request, which frees its batch slot
@@ -31,6 +33,7 @@ from aiohttp import web
 from kvmesh.core.tokens import Tokenizer
 from kvmesh.engine.detokenizer import StopMatcher, StreamDetokenizer
 from kvmesh.engine.metrics import CONTENT_TYPE, EngineMetrics
+from kvmesh.engine.peer_api import PeerApi
 from kvmesh.engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -67,9 +70,13 @@ class ServerConfig:
     """How often a waiting handler checks that its client is still connected."""
     events_endpoint: str | None = None
     replay_endpoint: str | None = None
+    events_topic: str | None = None
+    """First frame of the event messages (``None`` when there is no event stream)."""
     hash_algo: str = "sha256"
     revision: str = ""
     emulate: str | None = None
+    model_path: str = ""
+    """Directory the model (emulated: its tokenizer) was loaded from; empty when given in-process."""
     extra_info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -126,10 +133,9 @@ class EngineServer:
         r.add_post("/detokenize", self.detokenize)
         r.add_get("/metrics", self.metrics_handler)
         r.add_get("/kvmesh/info", self.info)
-        r.add_get("/server_info", self.info)
-        r.add_get("/model_info", self.model_info)
         r.add_get("/version", self.version)
         r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        PeerApi(self).register(r)
         self._runner: web.AppRunner | None = None
         self.host = ""
         self.port = 0
@@ -183,7 +189,8 @@ class EngineServer:
         self.metrics.observe_http(route, response.status)
         return response
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
+        """Raise a 404 :class:`RequestError` unless ``model`` is ``None`` or a name this engine serves."""
         if model is not None and model not in self._names:
             raise RequestError(
                 f"The model `{model}` does not exist. Served: {self.config.served_model_name}",
@@ -207,7 +214,7 @@ class EngineServer:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body: CompletionRequest = decode_body(await request.read(), CompletionRequest)
-        self._check_model(body.model)
+        self.check_model(body.model)
         prompts = prompt_list(body.prompt)
         ids_list = []
         for i, p in enumerate(prompts):
@@ -222,7 +229,7 @@ class EngineServer:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body: ChatCompletionRequest = decode_body(await request.read(), ChatCompletionRequest)
-        self._check_model(body.model)
+        self.check_model(body.model)
         ids = self.tokenizer.apply_chat_template(flatten_messages(body.messages))
         return await self._generate(request, body, [ids], chat=True)
 
@@ -456,7 +463,7 @@ class EngineServer:
 
     async def tokenize(self, request: web.Request) -> web.StreamResponse:
         body: TokenizeRequest = decode_body(await request.read(), TokenizeRequest)
-        self._check_model(body.model)
+        self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.prompt is not None:
@@ -467,7 +474,7 @@ class EngineServer:
 
     async def detokenize(self, request: web.Request) -> web.StreamResponse:
         body: DetokenizeRequest = decode_body(await request.read(), DetokenizeRequest)
-        self._check_model(body.model)
+        self.check_model(body.model)
         check_prompt_ids(body.tokens, self.vocab_size)
         return _ok({"prompt": self.tokenizer.decode(body.tokens)})
 
@@ -484,6 +491,7 @@ class EngineServer:
             "hash_algo": self.config.hash_algo,
             "events_endpoint": self.config.events_endpoint,
             "replay_endpoint": self.config.replay_endpoint,
+            "events_topic": self.config.events_topic,
             "role": self.config.role.value,
             "kv_bytes_per_token": info.kv.bytes_per_token,
             "max_model_len": info.max_model_len,
@@ -498,19 +506,6 @@ class EngineServer:
 
     async def info(self, request: web.Request) -> web.StreamResponse:
         return _ok(self.info_dict())
-
-    async def model_info(self, request: web.Request) -> web.StreamResponse:
-        info = self.core.runner.info
-        return _ok(
-            {
-                "model": self.config.served_model_name,
-                "max_model_len": info.max_model_len,
-                "vocab_size": info.vocab_size,
-                "block_size": self.core.cache.block_size,
-                "kv_layout": info.kv.name(),
-                "kv_dtype": info.kv.dtype,
-            }
-        )
 
     async def reset_prefix_cache(self, request: web.Request) -> web.StreamResponse:
         """Drop the device-tier cache (publishes AllBlocksCleared); 409 while requests hold blocks."""
