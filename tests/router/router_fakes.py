@@ -56,6 +56,8 @@ class FakeEngine:
     cache: OrderedDict[BlockKey, None] = field(default_factory=OrderedDict)
     gate: asyncio.Event | None = None
     """When set, streams pause after their first chunk until the event is set."""
+    prefill_gate: asyncio.Event | None = None
+    """When set, streams send nothing (the prefill runs) until the event is set."""
     waiting: int = 0
     running: int = 0
     healthy: bool = True
@@ -156,6 +158,8 @@ class FakeEngine:
         resp = web.StreamResponse()
         resp.headers["Content-Type"] = "text/event-stream"
         await resp.prepare(request)
+        if self.prefill_gate is not None:
+            await self.prefill_gate.wait()
         for i in range(3):
             chunk = {"id": "c1", "choices": [{"index": 0, "text": f"{self.name}-{i}"}]}
             await resp.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")

@@ -135,6 +135,26 @@ async def test_sse_is_relayed_without_buffering(engines):
         assert "kvmesh_router_realized_hit_tokens_total 160.0" in metrics
 
 
+async def test_prefill_work_is_pending_until_the_first_chunk(engines):
+    (e,) = await engines(1)
+    e.prefill_gate = asyncio.Event()
+    async with gateway_client([e]) as (gw, client):
+        assert gw.pool is not None
+        (state,) = gw.pool.states()
+        request = asyncio.ensure_future(
+            client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "stream": True})
+        )
+        await wait_for(lambda: state.pending_prefill_tokens > 0)
+        assert state.pending_prefill_tokens == len(PROMPT)  # nothing cached yet: all of it
+        metrics = await (await client.get("/metrics")).text()
+        assert f'kvmesh_router_pending_prefill_tokens{{endpoint="{e.url}"}} {len(PROMPT)}.0' in metrics
+        e.prefill_gate.set()
+        resp = await request
+        await resp.read()
+        assert state.pending_prefill_tokens == 0
+        assert len(gw.prefill_ledger) == 0
+
+
 async def test_connect_failure_retries_the_next_endpoint(engines):
     es = await engines(2)
     async with gateway_client(es, policy="round-robin", health={"intervalS": 30, "metricsIntervalS": 0}) as (

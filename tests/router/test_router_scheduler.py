@@ -186,15 +186,37 @@ def test_ttft_estimate_counts_queue_prefill_and_transfer():
         queued_request_s=0.1,
         kv_bytes_per_token=1e6,
         tier_gbps={Medium.GPU: 0.0, Medium.CPU: 1.0, Medium.DISK: 0.1, Medium.SHARED: 0.1},
+        max_batched_tokens=100,
     )
     r = req()
     r.prefix = PrefixMatch(8, 16, {A: PodMatch(8, {Medium.GPU: 8}), B: PodMatch(8, {Medium.CPU: 8})})
-    a, b, c = EndpointState(A, waiting=2), EndpointState(B), EndpointState(C, in_flight=3, running=1)
-    assert scorer.estimate(r, a) == pytest.approx(0.2)
-    assert scorer.estimate(r, b) == pytest.approx(128 * 1e6 / 1e9)
-    assert scorer.estimate(r, c) == pytest.approx(2 * 0.1 + 128 / 1000)
+    a, b = EndpointState(A, waiting=2), EndpointState(B)
+    c = EndpointState(C, pending_prefill_tokens=300, running=20, waiting=1)
+    assert scorer.estimate(r, a) == pytest.approx(0.2 + 0.001)  # the engine's queue, the last token
+    assert scorer.estimate(r, b) == pytest.approx(128 * 1e6 / 1e9 + 0.001)  # CPU -> GPU transfer
+    # 300 tokens this router already sent + its own 128, with 20 of every 100 step tokens decoding
+    assert scorer.estimate(r, c) == pytest.approx((300 + 128) / 1000 / 0.8)
     scores = scorer.score(r, [a, b, c])
-    assert scores[1] == 1.0 and scores[0] == pytest.approx(0.128 / 0.2)
+    assert scores[1] == 1.0 and scores[0] == pytest.approx(0.129 / 0.201)
+
+
+def test_ttft_estimate_uses_the_learned_speed_within_bounds():
+    scorer = TTFTEstimateScorer(1000.0, 0.0, 0.0, {}, max_learned_ratio=4.0)
+    r = req()  # 128 uncached tokens
+    assert scorer.estimate(r, EndpointState(A)) == pytest.approx(0.128)
+    assert scorer.estimate(r, EndpointState(A, seconds_per_prefill_token=0.002)) == pytest.approx(0.256)
+    assert scorer.estimate(r, EndpointState(A, seconds_per_prefill_token=1.0)) == pytest.approx(0.512)
+
+
+def test_ttft_estimate_moves_a_prefix_off_a_saturated_holder():
+    scorer = TTFTEstimateScorer(1000.0, 0.0, 0.0, {})
+    r = req()
+    r.prefix = PrefixMatch(8, 16, {A: PodMatch(6, {Medium.GPU: 6})})
+    idle_holder, other = EndpointState(A), EndpointState(B)
+    assert scorer.score(r, [idle_holder, other]) == [1.0, pytest.approx(32 / 128)]  # 32 vs 128 to compute
+    busy_holder = EndpointState(A, pending_prefill_tokens=400)  # backlog > recomputing 96 tokens
+    scores = scorer.score(r, [busy_holder, other])
+    assert scores[1] == 1.0 and scores[0] < 1.0
 
 
 def test_pd_decider_splits_only_long_uncached_prompts():

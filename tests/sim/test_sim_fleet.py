@@ -12,6 +12,7 @@ from kvmesh.engine.cost_model import CostModel, get_preset
 from kvmesh.errors import ConfigError
 from kvmesh.sim.fleet import FleetConfig, FleetSimulation, simulate
 from kvmesh.sim.report import build_report
+from kvmesh.sim.routing import resolve_policy, with_cost_model_prior
 
 PRESET = "tiny-h100"
 
@@ -40,7 +41,8 @@ def test_precise_routing_finds_more_cache_than_random():
 
 def test_replica_events_reach_the_routers_index_with_the_engines_keys():
     sim = FleetSimulation(fleet("precise"))
-    run = sim.run(shared_prefix(duration=3.0))
+    wl = shared_prefix(duration=3.0)
+    run = sim.run(wl)
     applier = run.router.applier
     assert applier.stats.num_blocks_stored > 0
     assert applier.stats.num_bad_events == applier.stats.num_orphans == 0
@@ -50,8 +52,10 @@ def test_replica_events_reach_the_routers_index_with_the_engines_keys():
         some = next(iter(held))
         holders = run.router.index.lookup([some])
         assert holders and replica.pod in holders[0]
-    last = run.requests[-1]
-    assert run.router.index.lookup(last.keys[:1])  # request keys are the index's keys
+    last = list(wl.requests())[-1]
+    keys = run.replicas[0].cache.block_keys(last.prompt_token_ids)
+    assert run.router.index.lookup(keys[:1])  # request keys are the index's keys
+    assert all(r.keys == [] and r.prompt == [] for r in run.requests)  # released when done
 
 
 def test_round_robin_spreads_requests_evenly():
@@ -103,9 +107,21 @@ def test_multi_turn_sessions_send_each_turn_after_the_previous_finished():
             assert nxt.hit_gpu >= prev.prompt_len - 16  # the history is cached (precise keeps sessions home)
 
 
-def test_ttft_estimate_policy_runs_and_uses_the_cost_model():
-    rep = build_report(simulate(fleet("ttft-estimate"), shared_prefix(duration=4.0)))
+def test_default_policy_runs_with_the_cost_model_as_its_prior():
+    rep = build_report(simulate(fleet("precise"), shared_prefix(duration=4.0)))
     assert rep.summary.num_failed == 0 and rep.summary.hit_rate > 0.3
+    config = with_cost_model_prior(
+        resolve_policy("precise"),
+        prefill_tokens_per_s=12_345.0,
+        queued_request_s=0.2,
+        kv_bytes_per_token=1000,
+        shared_gbps=80.0,
+        max_batched_tokens=4096,
+    )
+    (ttft,) = [p for p in config["plugins"] if p["type"] == "ttft-estimate-scorer"]
+    assert ttft["parameters"]["prefillTokensPerSecond"] == 12_345.0
+    assert ttft["parameters"]["maxBatchedTokens"] == 4096
+    assert ttft["parameters"]["tierGBps"]["SHARED"] == 10.0  # 80 Gb/s
 
 
 @pytest.mark.parametrize("policy", ["approximate", "load"])

@@ -45,6 +45,7 @@ from kvmesh.router.ingest import EventApplier
 from kvmesh.router.intake import EventIntake
 from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.prefill_ledger import PrefillLedger
 from kvmesh.router.prefix import as_token_array
 from kvmesh.router.scheduler import Scheduler, load_scheduler_config
 from kvmesh.router.tokenize import CachedTokenizer, PromptTokenizer
@@ -128,11 +129,14 @@ class Gateway:
         self.revision: str | None = config.revision
         self.applier: EventApplier | None = None
         self.metrics.watch_ingest(lambda: self.applier)
+        self.metrics.watch_endpoints(lambda: [] if self.pool is None else self.pool.states())
         self.intake: EventIntake | None = None
         self.pool: EndpointPool | None = None
         self._session: aiohttp.ClientSession | None = None
         self._pending_events: dict[PodId, tuple[str, str | None]] = {}
         self._ids = itertools.count()
+        self.prefill_ledger = PrefillLedger()
+        """Prefill work sent to each endpoint and not yet answered, and the pool's learned speed."""
         self._request_timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=2.0)
         self._urls: dict[tuple[PodId, str], URL] = {}
         self.app = self._build_app()
@@ -288,6 +292,7 @@ class Gateway:
             routing.prefix = await self._remote_match(routing)
         pool = self.pool
         assert pool is not None, "requests arrived before Gateway.start()"
+        self.prefill_ledger.refresh(time.perf_counter())
         try:
             decision = self.scheduler.pick(routing, pool.states())
         except TierUnavailableError as exc:
@@ -306,7 +311,7 @@ class Gateway:
             body["kv_transfer_params"] = {"role": "decode"}
             raw = msgspec.json.encode(body)
         self.metrics.prompt_tokens.inc(len(tokens))
-        return await self._forward(request, raw, headers, decision)
+        return await self._forward(request, raw, headers, decision, routing)
 
     @staticmethod
     def _is_long(body: dict[str, Any], min_chars: int) -> bool:
@@ -443,10 +448,17 @@ class Gateway:
             self.pool.end_request(pod)
 
     async def _forward(
-        self, request: web.Request, raw: bytes, headers: dict[str, str], decision: Decision
+        self,
+        request: web.Request,
+        raw: bytes,
+        headers: dict[str, str],
+        decision: Decision,
+        routing: RoutingRequest,
     ) -> web.StreamResponse:
         assert self._session is not None and self.pool is not None
         pool = self.pool
+        ledger = self.prefill_ledger
+        rid = routing.request_id
         attempts = decision.ranked[: self.config.max_attempts]
         last_error = ""
         for n, pod in enumerate(attempts):
@@ -454,6 +466,8 @@ class Gateway:
             if endpoint is None or (n > 0 and not endpoint.state.healthy):
                 continue
             pool.begin_request(pod)
+            hit = routing.prefix.hit_tokens(pod) if routing.prefix is not None else 0
+            ledger.sent(rid, endpoint.state, routing.num_tokens - hit, time.perf_counter())
             try:
                 upstream = await self._session.post(
                     self._upstream_url(pod, request.path),
@@ -465,27 +479,30 @@ class Gateway:
                 # Refused, reset or closed before any response: the endpoint is gone, and nothing
                 # was generated for this request, so the next endpoint can take it.
                 pool.end_request(pod)
+                ledger.finished(rid)
                 pool.report_failure(pod, str(exc))
                 self.metrics.retries.inc()
                 last_error = f"{pod}: {exc}"
                 continue
             except (aiohttp.ClientError, TimeoutError) as exc:
                 pool.end_request(pod)
+                ledger.finished(rid)
                 self.metrics.errors.labels("upstream").inc()
                 return _error(502, f"endpoint {pod} failed: {exc}", kind="upstream_error")
             self.metrics.count_decision(pod)
             if pod == decision.endpoint:
                 self.metrics.predicted_hit_tokens.inc(decision.predicted_hit_tokens)
             try:
-                return await self._relay(request, upstream, pod)
+                return await self._relay(request, upstream, pod, rid)
             finally:
                 upstream.release()
                 pool.end_request(pod)
+                ledger.finished(rid)
         self.metrics.errors.labels("unreachable").inc()
         return _error(502, f"no endpoint could be reached ({last_error})", kind="upstream_error")
 
     async def _relay(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, pod: PodId
+        self, request: web.Request, upstream: aiohttp.ClientResponse, pod: PodId, request_id: str
     ) -> web.StreamResponse:
         content_type = upstream.headers.get("Content-Type", "application/json")
         if not content_type.startswith("text/event-stream"):
@@ -504,8 +521,13 @@ class Gateway:
         stream.headers[ENDPOINT_HEADER] = pod
         await stream.prepare(request)
         tail = b""
+        first = upstream.status == 200
         try:
             async for chunk in upstream.content.iter_any():
+                if first:
+                    # An engine streams nothing before its first token: this is the prefill's end.
+                    self.prefill_ledger.first_token(request_id, time.perf_counter())
+                    first = False
                 await stream.write(chunk)
                 tail = (tail + chunk)[-_USAGE_TAIL:]
         except (aiohttp.ClientError, TimeoutError) as exc:

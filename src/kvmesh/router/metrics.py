@@ -15,14 +15,18 @@
                                                 ``..._skipped_groups``, ``..._bad_events``, ...
 ``kvmesh_router_pod_block_size{endpoint}``      each pod's engine block size, from its events
 ``kvmesh_router_pod_indexed_blocks{endpoint}``  engine blocks tracked per pod
+``kvmesh_router_pending_prefill_tokens{...}``   prompt tokens sent to an endpoint, no first token
+                                                yet (less what it computed since, when learned)
+``kvmesh_router_prefill_tokens_per_second``     the pool's prefill speed learned from first tokens
+                                                (0 until learned)
 ==============================================  =============================================
 
-The ingest figures are read from the applier when scraped (no per-event cost).
+The ingest and endpoint figures are read when scraped (no per-event or per-request cost).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import fields
 from typing import Any
 
@@ -30,6 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvmesh.router.ingest import EventApplier, IngestStats
+from kvmesh.router.types import EndpointState
 
 _INGEST_HELP = {
     "num_events": "KV events applied",
@@ -82,6 +87,38 @@ class IngestCollector:
         yield blocks
 
 
+class EndpointLoadCollector:
+    """Exports the endpoints' outstanding prefill work and the learned prefill speed at scrape time.
+
+    Args:
+        source: returns the endpoint states the scheduler sees.
+    """
+
+    def __init__(self, source: Callable[[], Iterable[EndpointState]]) -> None:
+        self._source = source
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        pending = GaugeMetricFamily(
+            "kvmesh_router_pending_prefill_tokens",
+            "Prompt tokens routed to an endpoint that have no first token yet",
+            labels=["endpoint"],
+        )
+        speed = 0.0
+        for state in self._source():
+            pending.add_metric([state.pod], state.pending_prefill_tokens)
+            if state.seconds_per_prefill_token > 0:
+                speed = 1.0 / state.seconds_per_prefill_token
+        yield pending
+        yield GaugeMetricFamily(
+            "kvmesh_router_prefill_tokens_per_second",
+            "Prefill speed learned from first-token times (0 until learned)",
+            value=speed,
+        )
+
+
 _LATENCY_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 
 
@@ -126,6 +163,10 @@ class RouterMetrics:
     def watch_ingest(self, source: Callable[[], EventApplier | None]) -> None:
         """Export the ingest counters and per-pod block sizes of the applier ``source`` returns."""
         self.registry.register(IngestCollector(source))
+
+    def watch_endpoints(self, source: Callable[[], Iterable[EndpointState]]) -> None:
+        """Export the outstanding prefill work of the endpoints ``source`` returns."""
+        self.registry.register(EndpointLoadCollector(source))
 
     def observe_scorer(self, scorer: str, seconds: float) -> None:
         """Record one scorer run (the scheduler's ``on_timing`` hook)."""

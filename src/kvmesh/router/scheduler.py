@@ -47,7 +47,7 @@ from kvmesh.router.prefix import match_prefix
 from kvmesh.router.types import Decision, EndpointState, PrefixMatch, RoutingRequest
 
 PRESETS_DIR = Path(__file__).parent / "presets"
-PRESET_NAMES = ("precise", "approximate", "load", "random", "round-robin", "pd")
+PRESET_NAMES = ("precise", "llmd-precise", "approximate", "load", "random", "round-robin", "pd")
 DEFAULT_PROFILE = "default"
 _POD_OF = operator.attrgetter("pod")
 _HEALTHY = operator.attrgetter("healthy")

@@ -47,6 +47,10 @@ class EndpointState:
         kv_cache_usage: device KV cache fill in [0, 1] (``vllm:kv_cache_usage_perc``).
         in_flight: requests the router has sent and not yet seen finish.
         healthy: passes health checks.
+        pending_prefill_tokens: prompt tokens of this router's requests the endpoint still has to
+            compute (sent, no first token yet), as predicted from the index when each was routed.
+        seconds_per_prefill_token: the endpoint's prefill cost learned from first-token times;
+            0 until enough samples, when scorers use their configured prior.
     """
 
     pod: PodId
@@ -56,6 +60,8 @@ class EndpointState:
     kv_cache_usage: float = 0.0
     in_flight: int = 0
     healthy: bool = True
+    pending_prefill_tokens: int = 0
+    seconds_per_prefill_token: float = 0.0
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ from kvmesh.core.types import PodId
 from kvmesh.errors import ConfigError
 from kvmesh.router.index import InMemoryIndex
 from kvmesh.router.ingest import EventApplier
+from kvmesh.router.prefill_ledger import PrefillLedger
 from kvmesh.router.prefix import match_prefix_keys
 from kvmesh.router.scheduler import PRESET_NAMES, Scheduler, load_scheduler_config
 from kvmesh.router.types import EndpointState, RoutingRequest
@@ -31,45 +32,44 @@ SIM_MODEL = "sim"
 
 SIM_HASH_ALGO = HashAlgo.XXH3
 
-TTFT_ESTIMATE = "ttft-estimate"
-POLICY_NAMES = (*PRESET_NAMES, TTFT_ESTIMATE)
+TTFT_ESTIMATE_SCORER = "ttft-estimate-scorer"
 
 
-def ttft_estimate_config(
-    prefill_tokens_per_s: float, queued_request_s: float, kv_bytes_per_token: int, shared_gbps: float
+def with_cost_model_prior(
+    config: Mapping[str, Any],
+    *,
+    prefill_tokens_per_s: float,
+    queued_request_s: float,
+    kv_bytes_per_token: int,
+    shared_gbps: float,
+    max_batched_tokens: int,
 ) -> dict[str, Any]:
-    """A scheduler that sends each request where its predicted TTFT is lowest.
+    """``config`` with every ``ttft-estimate-scorer`` given the simulated GPU's figures as its prior.
 
-    The scorer's parameters come from the replica's cost model so its estimate is in the same units
-    as the simulated engine (GB/s per tier: CPU over PCIe, the shared tier over the network).
+    A live router starts from its YAML's prior and learns each endpoint's speed from first tokens;
+    the simulator knows the engines' cost model, so its routers start where they would converge
+    (GB/s per tier: CPU over PCIe, the shared tier over the network).
     """
-    return {
-        "plugins": [
-            {
-                "type": "ttft-estimate-scorer",
-                "parameters": {
-                    "prefillTokensPerSecond": prefill_tokens_per_s,
-                    "queuedRequestSeconds": queued_request_s,
-                    "kvBytesPerToken": float(kv_bytes_per_token),
-                    "tierGBps": {"GPU": 0.0, "CPU": 50.0, "SHARED": shared_gbps / 8},
-                },
-            },
-            {"type": "max-score-picker"},
-        ],
-        "schedulingProfiles": [
-            {
-                "name": "default",
-                "plugins": [
-                    {"pluginRef": "ttft-estimate-scorer", "weight": 1},
-                    {"pluginRef": "max-score-picker"},
-                ],
-            }
-        ],
-    }
+    out = dict(config)
+    plugins = []
+    for plugin in out.get("plugins") or []:
+        if isinstance(plugin, Mapping) and plugin.get("type") == TTFT_ESTIMATE_SCORER:
+            params = dict(plugin.get("parameters") or {})
+            params.setdefault("queuedRequestSeconds", queued_request_s)
+            params.update(
+                prefillTokensPerSecond=prefill_tokens_per_s,
+                kvBytesPerToken=float(kv_bytes_per_token),
+                tierGBps={"GPU": 0.0, "CPU": 50.0, "DISK": 2.0, "SHARED": shared_gbps / 8},
+                maxBatchedTokens=max_batched_tokens,
+            )
+            plugin = {**plugin, "parameters": params}
+        plugins.append(plugin)
+    out["plugins"] = plugins
+    return out
 
 
 def resolve_policy(policy: str | Mapping[str, Any]) -> dict[str, Any]:
-    """A scheduler config from a preset name, a YAML path or a mapping (ttft-estimate is built later).
+    """A scheduler config from a preset name, a YAML path or a mapping.
 
     Raises:
         ConfigError: unknown preset or unreadable file.
@@ -79,7 +79,7 @@ def resolve_policy(policy: str | Mapping[str, Any]) -> dict[str, Any]:
     if policy in PRESET_NAMES or Path(policy).is_file():
         return load_scheduler_config(policy)
     raise ConfigError(
-        f"unknown policy {policy!r}; presets: {', '.join(POLICY_NAMES)}, or a scheduler YAML file"
+        f"unknown policy {policy!r}; presets: {', '.join(PRESET_NAMES)}, or a scheduler YAML file"
     )
 
 
@@ -137,6 +137,9 @@ class SimRouter:
         self.metrics_interval_s = metrics_interval_s
         self._states = [[EndpointState(r.pod) for r in self.replicas] for _ in range(gateways)]
         """Each gateway's view of the endpoints: shared scraped gauges, its own ``in_flight``."""
+        self._ledgers = [PrefillLedger() for _ in range(gateways)]
+        """Each gateway's outstanding prefill work per endpoint and the speeds it learned."""
+        self._awaiting_first_token: list[list[SimRequest]] = [[] for _ in range(gateways)]
         self._scraped_at = -1.0
         self.num_routed = 0
         self.num_unroutable = 0
@@ -169,6 +172,7 @@ class SimRouter:
             self._scrape(now)
         gateway = 0 if len(self.schedulers) == 1 else self._balancer.randrange(len(self.schedulers))
         scheduler, states = self.schedulers[gateway], self._states[gateway]
+        self._settle_first_tokens(gateway, now)
         prefix = match_prefix_keys(self.index, req.keys, len(req.keys), self.block_size)
         request = RoutingRequest(req.request_id, req.tokens, self.namespace, prefix=prefix)
         if scheduler.pd is None:
@@ -182,10 +186,30 @@ class SimRouter:
             return None
         replica = self._by_pod[target]
         req.gateway = gateway
-        states[replica.index].in_flight += 1
+        state = states[replica.index]
+        state.in_flight += 1
+        uncached = (req.prompt_len or len(req.tokens)) - prefix.hit_tokens(target)
+        self._ledgers[gateway].sent(req.request_id, state, uncached, now)
+        self._awaiting_first_token[gateway].append(req)
         self.num_routed += 1
         self.routed_by_gateway[gateway] += 1
         return replica
+
+    def _settle_first_tokens(self, gateway: int, now: float) -> None:
+        """Hand the ledger the first tokens that arrived since the last decision (what a live
+        router sees as each stream's first chunk)."""
+        waiting = self._awaiting_first_token[gateway]
+        ledger = self._ledgers[gateway]
+        ledger.refresh(now)
+        still: list[SimRequest] = []
+        for req in waiting:
+            if req.first_token >= 0:
+                ledger.first_token(req.request_id, req.first_token)
+            elif req.finish < 0 and req.failed is None:
+                still.append(req)
+            else:
+                ledger.finished(req.request_id)
+        self._awaiting_first_token[gateway] = still
 
     def done(self, req: SimRequest) -> None:
         """The router saw ``req``'s response end."""

@@ -230,10 +230,21 @@ class RoundRobinScorer:
 class TTFTEstimateScorer:
     """Predicted time to first token, scored as ``best_estimate / estimate``.
 
-    ``estimate = queue wait + uncached prefill time + transfer time of cached blocks``, where the
-    queue wait is ``max(waiting, in_flight - running) * queued_request_s``, prefill runs at
-    ``prefill_tokens_per_s``, and blocks cached in a tier move at that tier's GB/s (0 means the
-    tier needs no transfer, as for the device itself).
+    ``estimate = transfer of cached blocks + queue + (work ahead + own uncached tokens) × s/token ÷ share``:
+
+    - work ahead: the prompt tokens this router sent to the endpoint that have no first token yet
+      (``pending_prefill_tokens``, exact at decision time);
+    - queue: the engine's own ``waiting`` gauge × ``queued_request_s``, which also sees other
+      routers' requests (the larger of the two waits counts, so this router's are not counted twice);
+    - s/token: learned per endpoint from first-token times (``seconds_per_prefill_token``) once
+      known, else ``1 / prefill_tokens_per_s``; a learned value is kept within ``max_learned_ratio``
+      of that prior;
+    - share: running decodes take one token each of every step's ``max_batched_tokens``;
+    - transfer: blocks cached in a tier move at that tier's GB/s (0: no transfer, the device itself).
+
+    A prefix's holder wins while its backlog costs less than recomputing the prefix elsewhere; once
+    it is saturated, the next request for that prefix goes to where it finishes first and becomes a
+    second copy (or loads the prefix from a shared tier) instead of queueing.
     """
 
     scores_in_unit_range: ClassVar[bool] = True
@@ -243,11 +254,20 @@ class TTFTEstimateScorer:
     queued_request_s: float
     kv_bytes_per_token: float
     tier_gbps: dict[Medium, float]
+    max_batched_tokens: int = 8192
+    max_learned_ratio: float = 10.0
+
+    def seconds_per_token(self, endpoint: EndpointState) -> float:
+        prior = 1.0 / self.prefill_tokens_per_s
+        learned = endpoint.seconds_per_prefill_token
+        if learned <= 0.0:
+            return prior
+        ratio = self.max_learned_ratio
+        return min(max(learned, prior / ratio), prior * ratio)
 
     def estimate(self, request: RoutingRequest, endpoint: EndpointState) -> float:
         """Seconds until ``endpoint`` would emit the first token of ``request``."""
-        queue = max(endpoint.waiting, endpoint.in_flight - endpoint.running, 0)
-        seconds = queue * self.queued_request_s
+        transfer = 0.0
         prefix = request.prefix
         cached = 0
         if prefix is not None:
@@ -258,9 +278,13 @@ class TTFTEstimateScorer:
                     cached += tokens
                     gbps = self.tier_gbps.get(tier, 0.0)
                     if gbps > 0:
-                        seconds += tokens * self.kv_bytes_per_token / (gbps * 1e9)
-        seconds += max(request.num_tokens - cached, 0) / self.prefill_tokens_per_s
-        return seconds
+                        transfer += tokens * self.kv_bytes_per_token / (gbps * 1e9)
+        budget = self.max_batched_tokens
+        share = max(budget - endpoint.running, budget * 0.1) / budget
+        spt = self.seconds_per_token(endpoint) / share
+        own = max(request.num_tokens - cached, 1)  # a full hit still computes the last token
+        queue = max(endpoint.pending_prefill_tokens * spt, endpoint.waiting * self.queued_request_s)
+        return transfer + queue + own * spt
 
     def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
         estimates = [self.estimate(request, e) for e in endpoints]
@@ -322,6 +346,8 @@ def make_ttft_estimate_scorer(name: str, params: Params, ctx: PluginContext) -> 
         queued_request_s=params.number("queuedRequestSeconds", 0.05, minimum=0.0),
         kv_bytes_per_token=params.number("kvBytesPerToken", 36_864.0, minimum=0.0),
         tier_gbps=_tier_map(name, params.mapping("tierGBps"), DEFAULT_TIER_GBPS),
+        max_batched_tokens=params.integer("maxBatchedTokens", 8192, minimum=1),
+        max_learned_ratio=params.number("maxLearnedRatio", 10.0, minimum=1.0),
     )
 
 
