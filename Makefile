@@ -49,4 +49,4 @@ bench: install
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.run_all
 
 clean:
-	rm -rf $(VENV) .venv-aiperf .venv-vllm .venv-vllm.unavailable build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-aiperf .venv-sglang-router .venv-vllm-router .venv-vllm .venv-vllm.unavailable build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
