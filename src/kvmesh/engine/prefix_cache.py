@@ -45,7 +45,6 @@ def engine_block_hash(key: BlockKey) -> int:
 class _Block:
     key: BlockKey
     parent: BlockKey | None
-    token_ids: list[int]
     ref_count: int = 0
     kv_base: np.ndarray | None = None
     """The array this block's KV lives in (shared with its neighbours; never copied per block)."""
@@ -250,7 +249,7 @@ class PrefixCache:
         self,
         alloc: Allocation,
         keys: Sequence[BlockKey],
-        token_ids: Sequence[int],
+        token_ids: Sequence[int] | np.ndarray,
         kv: np.ndarray | None = None,
         kv_start: int = 0,
         tenant: str = "",
@@ -260,7 +259,8 @@ class PrefixCache:
         Args:
             alloc: the owner; its pinned keys must be a prefix of ``keys``.
             keys: block keys from the request's first block.
-            token_ids: the request's tokens (at least ``len(keys) * block_size``).
+            token_ids: the request's tokens (at least ``len(keys) * block_size``); only the new
+                blocks' tokens are read, into their BlockStored events, and none are kept.
             kv: KV of tokens ``[kv_start, len(keys) * block_size)`` or ``None``. The cache keeps a
                 reference to it (blocks are slices of it), so the caller must not modify it later.
             kv_start: first token ``kv`` covers; must be ``len(alloc.keys) * block_size`` or less.
@@ -283,7 +283,7 @@ class PrefixCache:
             key = keys[i]
             existing = self._blocks.get(key)
             if existing is not None:
-                self._flush_run(run, tenant)
+                self._flush_run(run, token_ids, i, tenant)
                 run = []
                 self._pin(key)
                 if alloc.num_reserved > 0:
@@ -300,14 +300,12 @@ class PrefixCache:
                     lo = i * bs - kv_start
                     assert lo >= 0, f"kv_start={kv_start} is past block {i}"
                     block_kv = np.ascontiguousarray(kv[:, :, :, lo : lo + bs])
-                block = _Block(
-                    key, keys[i - 1] if i else None, list(token_ids[i * bs : (i + 1) * bs]), 1, block_kv
-                )
+                block = _Block(key, keys[i - 1] if i else None, 1, block_kv)
                 self._blocks[key] = block
                 run.append(block)
             alloc.keys.append(key)
             added += 1
-        self._flush_run(run, tenant)
+        self._flush_run(run, token_ids, first + added, tenant)
         return added
 
     def free(self, alloc: Allocation) -> None:
@@ -371,16 +369,19 @@ class PrefixCache:
             self._events.append(BlockRemoved(list(removed), self.medium))
         return True
 
-    def _flush_run(self, run: list[_Block], tenant: str) -> None:
+    def _flush_run(
+        self, run: list[_Block], token_ids: Sequence[int] | np.ndarray, end: int, tenant: str
+    ) -> None:
+        """Publish ``run``: the new blocks just before block ``end`` of ``token_ids``."""
         if not run:
             return
         head = run[0]
         extra_keys: list[object] | None = None
         if tenant:
             extra_keys = [[tenant] if b.parent is None else None for b in run]
-        tokens: list[int] = []
-        for b in run:
-            tokens.extend(b.token_ids)
+        bs = self.block_size
+        part = token_ids[(end - len(run)) * bs : end * bs]
+        tokens = part.tolist() if isinstance(part, np.ndarray) else list(part)
         self._events.append(
             BlockStored(
                 block_hashes=[engine_block_hash(b.key) for b in run],
