@@ -34,6 +34,7 @@ from typing import Any, Literal, Protocol, TextIO, TypeAlias
 
 import yaml
 
+from kvmesh.bench.trace_blocks import DEFAULT_CAPACITY_BLOCKS, BlockTokens, PromptBlocks
 from kvmesh.errors import ConfigError
 
 Arrival = Literal["poisson", "constant"]
@@ -81,6 +82,9 @@ class RequestSpec:
     """Chat form of the prompt, for workloads that are chat-shaped (text mode)."""
     prompt_id: int | None = None
     """Which of the workload's distinct prompts this is (equal ids, equal tokens); ``None`` if untracked."""
+    prompt_blocks: PromptBlocks | None = None
+    """The same prompt as a chain of shared token blocks (trace replays), for consumers that work
+    block by block and need not hold the tokens (the simulator)."""
 
 
 class Workload(Protocol):
@@ -444,12 +448,14 @@ class MooncakeTraceWorkload:
     Each jsonl line is ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}``.
     Hash id ``h`` stands for one block of ``block_tokens`` tokens; its tokens are drawn from a PRNG
     seeded by ``(seed, h)``, so equal ids give equal blocks in every run. A prompt is the concatenation
-    of its blocks cut to ``input_length`` (the last block may be partial). Arrival = (timestamp − first
-    timestamp) / 1000 / ``speedup``.
+    of its blocks cut to ``input_length`` (the last block may be partial); each request also carries
+    it as ``prompt_blocks``. Arrival = (timestamp − first timestamp) / 1000 / ``speedup``.
 
     Args:
         max_requests: replay only the first lines of the trace.
         max_input_len: cut longer prompts (and their output) to fit a model's context.
+        cached_blocks: token blocks kept between requests (see :class:`BlockTokens`); memory, not
+            results, depends on it.
     """
 
     path: str | Path
@@ -461,20 +467,13 @@ class MooncakeTraceWorkload:
     vocab_size: int = DEFAULT_VOCAB_SIZE
     token_low: int = DEFAULT_TOKEN_LOW
     name: str = "mooncake"
+    cached_blocks: int = DEFAULT_CAPACITY_BLOCKS
 
     def __post_init__(self) -> None:
         if self.speedup <= 0 or self.block_tokens <= 0:
             raise ConfigError(
                 f"speedup and block_tokens must be > 0, got {self.speedup}, {self.block_tokens}"
             )
-
-    def _block(self, hash_id: int, cache: dict[int, list[int]]) -> list[int]:
-        block = cache.get(hash_id)
-        if block is None:
-            rng = random.Random(f"{self.seed}:{hash_id}")
-            block = synthetic_tokens(rng, self.block_tokens, self.vocab_size, self.token_low)
-            cache[hash_id] = block
-        return block
 
     def _records(self) -> Iterator[tuple[int, dict[str, Any]]]:
         path = Path(self.path)
@@ -525,9 +524,16 @@ class MooncakeTraceWorkload:
             yield lineno, rec
 
     def requests(self) -> Iterator[RequestSpec]:
-        blocks: dict[int, list[int]] = {}
+        source = BlockTokens(
+            self.block_tokens,
+            seed=self.seed,
+            vocab_size=self.vocab_size,
+            token_low=self.token_low,
+            capacity_blocks=self.cached_blocks,
+        )
         seen_len: dict[int, int] = {}
         t0: float | None = None
+        size = self.block_tokens
         for i, (_lineno, rec) in enumerate(self._records()):
             if self.max_requests is not None and i >= self.max_requests:
                 return
@@ -536,25 +542,24 @@ class MooncakeTraceWorkload:
             n = rec["input_length"]
             if self.max_input_len is not None:
                 n = min(n, self.max_input_len)
-            tokens: list[int] = []
+            hash_ids = tuple(rec["hash_ids"][: -(-n // size)])
             reusable = 0
             reusing = True
-            for h in rec["hash_ids"]:
-                take = min(self.block_tokens, n - len(tokens))
-                if take <= 0:
-                    break
-                tokens.extend(self._block(h, blocks)[:take])
+            for j, h in enumerate(hash_ids):
+                take = min(size, n - j * size)
                 if reusing:
                     reused = min(take, seen_len.get(h, 0))
                     reusable += reused
                     reusing = reused == take
                 seen_len[h] = max(seen_len.get(h, 0), take)
+            prompt = PromptBlocks(hash_ids, n, source)
             yield RequestSpec(
                 request_id=f"{self.name}-{i}",
                 arrival_s=(float(rec["timestamp"]) - t0) / 1000.0 / self.speedup,
-                prompt_token_ids=tokens,
+                prompt_token_ids=prompt.token_ids(),
                 output_len=max(1, rec["output_length"]),
                 reusable_prefix_len=reusable,
+                prompt_blocks=prompt,
             )
 
 
@@ -704,6 +709,7 @@ class ShiftedTokens:
         low = self.token_low
         for spec in self.inner.requests():
             spec.prompt_token_ids = [low + (t - low + self.offset) % span for t in spec.prompt_token_ids]
+            spec.prompt_blocks = None
             yield spec
 
 
