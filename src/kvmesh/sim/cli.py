@@ -3,6 +3,8 @@
     kvmesh sim --preset llmd-73-capacity [--policies precise,random] [--json]
     kvmesh sim --workload W.yaml --replicas 8 --model-preset qwen3-32b-h100-tp2 \\
                [--policies precise] [--shared-tier redis --net-gbps 25]
+    kvmesh sim --trace T.jsonl.gz --replicas 8 --model-preset qwen3-32b-h100-tp2 --block-size 64 \\
+               [--speedup 2] [--max-requests 3000] [--policies precise,load,random,approximate]
     kvmesh sim sweep --workload W.yaml --model-preset llama-3.1-8b-h100 --replicas 2,4,8 --qps 5,20
 """
 
@@ -17,7 +19,7 @@ from typing import Any
 
 from kvmesh.errors import ConfigError
 
-DEFAULT_POLICIES = "precise,approximate,load,random"
+DEFAULT_POLICIES = "precise,llmd-precise,approximate,load,random"
 
 
 def register(subparsers: Any) -> None:
@@ -49,6 +51,11 @@ def register(subparsers: Any) -> None:
 
 def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", help="workload YAML (bench format: shared_prefix, multi_turn, mooncake)")
+    p.add_argument(
+        "--trace", type=Path, default=None, help="replay a Mooncake-format jsonl(.gz) trace instead"
+    )
+    p.add_argument("--speedup", type=float, default=1.0, help="trace replay speed-up factor")
+    p.add_argument("--max-requests", type=int, default=None, help="replay only the first N trace lines")
     p.add_argument("--replicas", default=None, help="replicas (sweep: comma-separated list)")
     p.add_argument("--model-preset", default="llama-3.1-8b-h100", help="cost-model preset of each replica")
     p.add_argument("--block-size", type=int, default=16)
@@ -96,6 +103,25 @@ def _base_config(args: argparse.Namespace, num_replicas: int, policy: Any) -> An
     )
 
 
+def _workload(args: argparse.Namespace) -> Any:
+    """The workload of ``--trace`` or ``--workload`` (``None`` when neither is given).
+
+    Raises:
+        ConfigError: both given, or trace options without a trace.
+    """
+    from kvmesh.bench.workloads import MooncakeTraceWorkload, load_workload
+
+    if args.trace is None:
+        if args.speedup != 1.0 or args.max_requests is not None:
+            raise ConfigError("--speedup and --max-requests apply to --trace")
+        return load_workload(args.workload) if args.workload else None
+    if args.workload:
+        raise ConfigError("give --workload or --trace, not both")
+    if not args.trace.is_file():
+        raise ConfigError(f"--trace {args.trace}: no such file")
+    return MooncakeTraceWorkload(args.trace, speedup=args.speedup, max_requests=args.max_requests)
+
+
 def _err(msg: str) -> int:
     print(f"kvmesh sim: {msg}", file=sys.stderr)
     return 2
@@ -105,7 +131,6 @@ def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from kvmesh.bench.report import compare_table, plot_stage_curves, plot_ttft_cdf, summary_table
-    from kvmesh.bench.workloads import load_workload
     from kvmesh.sim.fleet import FleetSimulation
     from kvmesh.sim.presets import ScenarioPreset, get_scenario
     from kvmesh.sim.report import SimReport, build_report
@@ -122,9 +147,11 @@ def _run(args: argparse.Namespace) -> int:
             if args.gateways is not None:
                 configs = {p: dataclasses.replace(c, gateways=args.gateways) for p, c in configs.items()}
         else:
-            if not args.workload or not args.replicas:
-                return _err("give --preset, or --workload and --replicas (see kvmesh sim --help)")
-            workload = load_workload(args.workload)
+            workload = _workload(args)
+            if workload is None or not args.replicas:
+                return _err(
+                    "give --preset, or --workload (or --trace) and --replicas (see kvmesh sim --help)"
+                )
             n = int(args.replicas)
             if args.policies is None:
                 policies = ["precise"]
@@ -186,14 +213,13 @@ def _sweep(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from kvmesh.bench.workloads import load_workload
     from kvmesh.sim.sweep import SweepPoint, plot_sweep, run_sweep
 
     console = Console(stderr=args.json)
-    if not args.workload:
-        return _err("sweep needs --workload")
     try:
-        workload = load_workload(args.workload)
+        workload = _workload(args)
+        if workload is None:
+            return _err("sweep needs --workload or --trace")
         replicas = [int(x) for x in (args.replicas or "2,4,8").split(",") if x]
         qps = [float(x) for x in args.qps.split(",")] if args.qps else None
         base = _base_config(args, replicas[0], args.policy)

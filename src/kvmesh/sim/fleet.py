@@ -17,12 +17,15 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.bench.trace_blocks import PromptBlocks
 from kvmesh.bench.workloads import RequestSpec, Workload
-from kvmesh.core.types import BlockKey, PodId
+from kvmesh.core.types import PodId
 from kvmesh.engine.cost_model import CostModel, CostPreset, get_preset
 from kvmesh.engine.prefix_cache import PrefixCache
 from kvmesh.errors import ConfigError
+from kvmesh.sim.ideal_cache import IdealCacheResult, IdealSharedCache
 from kvmesh.sim.loop import EventLoop
+from kvmesh.sim.prompt_keys import PromptKeys
 from kvmesh.sim.replica import ReplicaConfig, SimReplica, SimRequest
 from kvmesh.sim.routing import (
     SIM_HASH_ALGO,
@@ -137,25 +140,8 @@ class FleetRun:
     wall_s: float
     num_events: int
     cost: CostModel
-
-
-class _KeyMemo:
-    """Block keys hashed once per distinct prompt (bounded)."""
-
-    def __init__(self, cache: PrefixCache, limit: int = 200_000) -> None:
-        self._cache = cache
-        self._memo: dict[tuple[int, ...] | int, list[BlockKey]] = {}
-        self._limit = limit
-
-    def keys(self, tokens: list[int], prompt_id: int | None = None) -> list[BlockKey]:
-        """Keys of ``tokens``; a workload's ``prompt_id`` names them without hashing the tokens."""
-        key = tuple(tokens) if prompt_id is None else prompt_id
-        found = self._memo.get(key)
-        if found is None:
-            if len(self._memo) >= self._limit:
-                self._memo.clear()
-            found = self._memo[key] = self._cache.block_keys(tokens)
-        return found
+    ideal: IdealCacheResult
+    """The yardstick: one shared prefix cache of the fleet's total KV, fed the same requests."""
 
 
 class FleetSimulation:
@@ -221,7 +207,8 @@ class FleetSimulation:
             metrics_interval_s=config.metrics_interval_s,
             gateways=config.gateways,
         )
-        self._memo = _KeyMemo(self.replicas[0].cache)
+        self._keys = PromptKeys(self.replicas[0].cache.hasher)
+        self._ideal = IdealSharedCache(capacity * config.num_replicas, config.block_size)
         self._done: list[SimRequest] = []
         self._sessions: dict[str, deque[SimRequest]] = {}
         self._busy_sessions: set[str] = set()
@@ -264,6 +251,7 @@ class FleetSimulation:
             self._in_flight -= 1
             if self._held:
                 self._send(self._held.popleft())
+        req.release()
         self._done.append(req)
         self._pending -= 1
         if self.on_progress is not None:
@@ -305,20 +293,28 @@ class FleetSimulation:
         self._schedule(spec)
 
     def _schedule(self, spec: RequestSpec) -> None:
-        tokens = spec.prompt_token_ids
         if self.config.drain_stages:
             self._stage_pending[spec.stage] = self._stage_pending.get(spec.stage, 0) + 1
+        blocks = spec.prompt_blocks
+        prompt: list[int] | PromptBlocks
+        if blocks is None:
+            prompt = spec.prompt_token_ids
+            keys = self._keys.keys(prompt, spec.prompt_id)
+        else:
+            prompt = blocks
+            keys = self._keys.block_keys(blocks)
         req = SimRequest(
             index=self._index,
             request_id=spec.request_id,
             arrival=max(spec.arrival_s + self._shift, self.loop.now),
-            tokens=tokens,
+            prompt=prompt,
             output_len=spec.output_len,
-            keys=self._memo.keys(tokens, spec.prompt_id),
+            keys=keys,
             stage=spec.stage,
             group=spec.group,
             reusable=spec.reusable_prefix_len,
         )
+        self._ideal.observe(keys, req.prompt_len)
         self._index += 1
         self._pending += 1
         self.loop.call_at(req.arrival, self._arrive, req, spec.session_id)
@@ -427,6 +423,7 @@ class FleetSimulation:
             wall_s=wall,
             num_events=self.loop.num_events,
             cost=self.cost,
+            ideal=self._ideal.result(),
         )
 
 

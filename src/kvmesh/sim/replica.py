@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvmesh.bench.trace_blocks import PromptBlocks
 from kvmesh.core.events import KVEvent
 from kvmesh.core.types import BlockKey, PodId
 from kvmesh.engine.cost_model import CostModel
@@ -48,12 +49,14 @@ class SimRequest:
     index: int
     request_id: str
     arrival: float
-    tokens: list[int]
+    prompt: list[int] | PromptBlocks
+    """The prompt's tokens, or its trace blocks: then :attr:`tokens` builds them whenever they are
+    read (routing, caching computed blocks) and the request never holds them."""
     output_len: int
     keys: list[BlockKey]
     """Device-tier block keys of the prompt's full blocks."""
     prompt_len: int = 0
-    """Prompt tokens (kept after ``tokens`` is dropped at the end of the request)."""
+    """Prompt tokens (kept after :meth:`release` drops the prompt at the end of the request)."""
     stage: int = 0
     group: str | None = None
     reusable: int = 0
@@ -82,11 +85,22 @@ class SimRequest:
     load_s: float = 0.0
 
     def __post_init__(self) -> None:
-        self.prompt_len = len(self.tokens)
+        self.prompt_len = len(self.prompt)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The prompt's token ids; a new list on every read of a block prompt."""
+        prompt = self.prompt
+        return prompt if isinstance(prompt, list) else prompt.token_ids()
 
     @property
     def cached_tokens(self) -> int:
         return self.hit_gpu + self.hit_cpu + self.hit_shared
+
+    def release(self) -> None:
+        """Drop the prompt and its keys once the request is over (its figures stay)."""
+        self.prompt = []
+        self.keys = []
 
 
 @dataclass(slots=True)
@@ -480,7 +494,6 @@ class SimReplica:
         req.finish = now
         self._release(req)
         self.stats.num_finished += 1
-        req.tokens = []
         self.on_done(req)
 
     def _release(self, req: SimRequest) -> None:

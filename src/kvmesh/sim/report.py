@@ -8,7 +8,8 @@ measured one. Two figures are computed here instead:
   every decode step records its gap once with a weight (the sequences that got a token), and the
   distribution is the weighted one, which equals the pooled per-token distribution.
 - Fleet figures the bench cannot see: per-replica utilisation (busy fraction, mean KV usage),
-  prompt tokens served by tier, and bytes moved to and from the shared tier.
+  prompt tokens served by tier, bytes moved to and from the shared tier, and the hit rate against
+  the ideal shared cache of the fleet's total KV (:mod:`kvmesh.sim.ideal_cache`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 from kvmesh.bench.metrics import Dist, QueueSample, RequestResult, Summary, summarize, summarize_stages
 from kvmesh.bench.runner import RunResult
 from kvmesh.sim.fleet import FleetRun
+from kvmesh.sim.ideal_cache import IdealCacheResult
 
 
 def weighted_dist(values: np.ndarray, weights: np.ndarray) -> Dist:
@@ -124,6 +126,9 @@ class SimReport:
     wall_s: float
     num_events: int
     num_preemptions: int
+    ideal: IdealCacheResult
+    """The yardstick: one LRU prefix cache of the fleet's total KV fed the same requests
+    (:mod:`kvmesh.sim.ideal_cache`)."""
     stage_kv_peak: list[float] = field(default_factory=list)
     """Per entry of ``run.stages``: the highest KV usage (0..1) any replica was sampled at (every
     ``queue_sample_interval_s``), from the stage's first arrival to the next stage's, drain included."""
@@ -131,6 +136,12 @@ class SimReport:
     @property
     def summary(self) -> Summary:
         return self.run.summary
+
+    @property
+    def hit_rate_vs_ideal(self) -> float | None:
+        """The run's hit rate (all tiers) as a share of the ideal shared cache's; ``None`` when that is 0."""
+        ideal = self.ideal.hit_rate
+        return self.tiers.rates()["total"] / ideal if ideal > 0 else None
 
     def to_dict(self, *, include_requests: bool = False) -> dict[str, Any]:
         out = self.run.to_dict(include_requests=include_requests)
@@ -148,6 +159,11 @@ class SimReport:
                 "num_events": self.num_events,
                 "num_preemptions": self.num_preemptions,
                 "stage_kv_peak": self.stage_kv_peak,
+                "ideal_shared_cache": {
+                    **dataclasses.asdict(self.ideal),
+                    "hit_rate": self.ideal.hit_rate,
+                },
+                "hit_rate_vs_ideal": self.hit_rate_vs_ideal,
             }
         )
         return out
@@ -255,6 +271,7 @@ def build_report(run: FleetRun, label: str | None = None) -> SimReport:
         wall_s=run.wall_s,
         num_events=run.num_events,
         num_preemptions=sum(x.num_preemptions for x in replicas),
+        ideal=run.ideal,
         stage_kv_peak=_stage_kv_peak(run, stages),
     )
 

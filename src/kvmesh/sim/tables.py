@@ -11,22 +11,26 @@ from kvmesh.sim.report import SimReport
 
 
 def fleet_table(reports: Mapping[str, SimReport]) -> Table:
-    """Per run: hit rate by tier, utilisation, preemptions, shared-tier traffic and cost."""
+    """Per run: hit rate by tier and against the ideal shared cache, utilisation, preemptions,
+    shared-tier traffic and cost."""
     table = Table(title="fleet")
     for col in (
-        "run", "GPU hit", "CPU hit", "shared hit", "busy mean", "busy max", "KV use mean",
-        "preempted", "shared read GB", "shared write GB", "$/1k req",
+        "run", "GPU hit", "CPU hit", "shared hit", "ideal shared cache hit", "hit / ideal", "busy mean",
+        "busy max", "KV use mean", "preempted", "shared read GB", "shared write GB", "$/1k req",
     ):  # fmt: skip
         table.add_column(col, justify="right")
     for label, rep in reports.items():
         rates = rep.tiers.rates()
         busy = [r.busy_frac for r in rep.replicas]
         kv = [r.kv_usage_mean for r in rep.replicas]
+        share = rep.hit_rate_vs_ideal
         table.add_row(
             label,
             f"{rates['gpu']:.3f}",
             f"{rates['cpu']:.3f}",
             f"{rates['shared']:.3f}",
+            f"{rep.ideal.hit_rate:.3f}",
+            "-" if share is None else f"{share:.2f}",
             f"{sum(busy) / len(busy):.2f}",
             f"{max(busy):.2f}",
             f"{sum(kv) / len(kv):.2f}",
