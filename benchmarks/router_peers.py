@@ -40,6 +40,7 @@ import dataclasses
 import json
 import random
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,6 +194,11 @@ async def empty_caches(fleet: Fleet, restart: bool) -> None:
 async def start_router(fleet: Fleet, choice: RouterChoice, model: str) -> tuple[str, PeerRouter | None]:
     """The URL clients use, and the peer process to stop afterwards (``None`` for kvmesh's router)."""
     if choice.kvmesh_policy is not None:
+        config = fleet.config.router_config
+        assert config is not None, "the fleet's router reads its preset from a router YAML"
+        # A preset by name through the YAML, so presets the CLI's --policy does not list run too
+        yaml = json.dumps({"policy": choice.kvmesh_policy, "tokenizer": "smollm2"})
+        await asyncio.to_thread(Path(config).write_text, yaml)
         await fleet.start_router(choice.kvmesh_policy)
         return fleet.url, None
     assert choice.peer is not None, "a RouterChoice names a kvmesh policy or a peer"
@@ -311,7 +317,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="restart the engines between runs instead of emptying their caches in place")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
-    p.add_argument("--run-dir", type=Path, default=None, help="fleet logs (default: a temporary directory)")
+    p.add_argument(
+        "--run-dir", type=Path, default=None, help="fleet logs (default: a new temporary directory)"
+    )
     args = p.parse_args(argv)
     args.policies = [x for x in args.policies.split(",") if x]
     args.peers = [] if args.peers == "none" else [x for x in args.peers.split(",") if x]
@@ -329,6 +337,8 @@ async def run(args: argparse.Namespace, console: Console) -> tuple[list[Outcome]
     ratio = tokens_per_word(Tokenizer.load("smollm2"))
     workloads = {k: v for k, v in build_workloads(size, ratio, args.seed).items() if k in args.workloads}
     capacity = kv_capacity_tokens(size)
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="kvmesh-router-peers-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
     config = {
         "engines": NUM_ENGINES, "emulate": EMULATE, "kv_capacity_tokens": capacity, "tokens_per_word": ratio,
         "size": "quick" if args.quick else "full", "seed": args.seed, "restart_engines": args.restart_engines,
@@ -344,8 +354,8 @@ async def run(args: argparse.Namespace, console: Console) -> tuple[list[Outcome]
         shared="none",
         start_router=False,
         engine_args=["--kv-capacity-tokens", str(capacity), "--events-topic", PEER_EVENTS_TOPIC],
-        router_args=["--tokenizer", "smollm2"],
-        run_dir=args.run_dir,
+        router_config=str(run_dir / "router.yaml"),
+        run_dir=run_dir,
         health_timeout_s=300,
     )
     outcomes: list[Outcome] = []
