@@ -18,10 +18,10 @@ def test_presets_are_complete():
         assert (
             set(scenario.schedulers)
             == set(scenario.published)
-            == {"precise", "approximate", "load", "random"}
+            == {"llmd-precise", "approximate", "load", "random"}
         )
         pubs = scenario.published
-        assert pubs["precise"].ttft_p90_s < pubs["approximate"].ttft_p90_s < pubs["load"].ttft_p90_s
+        assert pubs["llmd-precise"].ttft_p90_s < pubs["approximate"].ttft_p90_s < pubs["load"].ttft_p90_s
         for policy in scenario.schedulers:
             cfg = scenario.fleet_for(policy)
             assert cfg.policy == scenario.schedulers[policy]
@@ -70,7 +70,7 @@ def _stage(index: int, p90: float, tput: float) -> Summary:
 def test_stage_aggregation_reproduces_llmd_37_published_p90():
     s37 = get_scenario("llmd-37-capacity")
     assert s37.aggregation == "stages"
-    for policy in ("precise", "approximate", "load", "random"):
+    for policy in ("llmd-precise", "approximate", "load", "random"):
         published = s37.published_stage_p90[policy]
         assert published is not None
         # warm-up first (excluded whatever its value), then the published per-stage p90s

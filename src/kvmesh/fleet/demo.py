@@ -43,7 +43,8 @@ from kvmesh.fleet.launcher import EngineKind, Fleet, FleetConfig, SharedTier
 from kvmesh.fleet.process import FleetError
 from kvmesh.fleet.vllm import vllm_unavailable_reason
 
-EMULATED_POLICIES = ("random", "load", "approximate", "precise")
+EMULATED_POLICIES = ("random", "load", "approximate", "llmd-precise", "precise")
+"""llm-d's four schedulers (its precise weights as ``llmd-precise``) and kvmesh's default."""
 
 
 @dataclass(slots=True)
@@ -229,9 +230,9 @@ async def run_real(options: DemoOptions, console: Console, fleets: list[Fleet]) 
 
 
 async def run_emulated(options: DemoOptions, console: Console, fleet: Fleet) -> dict[str, RunResult]:
-    """Part 2 on a started fleet: llm-d's four schedulers, 8 emulated Qwen3-32B pods, scaled."""
+    """Part 2 on a started fleet: llm-d's four schedulers and kvmesh's, 8 emulated Qwen3-32B pods, scaled."""
     scaled = llmd_73_scaled("quick" if options.quick else "demo")
-    console.rule("[bold]2. emulated llm-d fleet: 8 pods Qwen3-32B TP2 H100, four schedulers")
+    console.rule("[bold]2. emulated llm-d fleet: 8 pods Qwen3-32B TP2 H100, llm-d's schedulers and kvmesh's")
     console.print(f"[dim]{scaled.description}[/dim]")
     opts = RunOptions(base_url=fleet.url, model="", progress=options.progress, label="emulated")
     runs = await compare_policies(
@@ -239,7 +240,7 @@ async def run_emulated(options: DemoOptions, console: Console, fleet: Fleet) -> 
     )
     await fleet.aclose()
     console.print(compare_table(runs, title="emulated llm-d 73-capacity (scaled): scheduler comparison"))
-    for line in ratio_lines(runs, "precise", ["random", "load", "approximate"]):
+    for line in ratio_lines(runs, "precise", ["random", "load", "approximate", "llmd-precise"]):
         console.print(line)
     return runs
 

@@ -30,10 +30,9 @@ from kvmesh.sim.replica import ReplicaConfig, SimReplica, SimRequest
 from kvmesh.sim.routing import (
     SIM_HASH_ALGO,
     SIM_MODEL,
-    TTFT_ESTIMATE,
     SimRouter,
     resolve_policy,
-    ttft_estimate_config,
+    with_cost_model_prior,
 )
 from kvmesh.sim.tiers import SharedStore, TierStack
 
@@ -45,8 +44,8 @@ class FleetConfig:
     Args:
         num_replicas: engines in the fleet.
         model_preset: a cost-model preset name (``kvmesh.engine.cost_model.PRESETS``) or a preset.
-        policy: scheduler preset name (precise, approximate, load, random, round-robin,
-            ttft-estimate), a scheduler YAML path, or a parsed scheduler config.
+        policy: a router preset name (``kvmesh.router.scheduler.PRESET_NAMES``), a scheduler YAML
+            path, or a parsed scheduler config.
         block_size: device-tier block size (the router's, too).
         kv_capacity_tokens: per replica; ``None`` takes the cost model's figure.
         max_num_batched_tokens, max_num_seqs: per-step token budget and batch cap; ``None`` = preset.
@@ -189,16 +188,14 @@ class FleetSimulation:
                     self._on_done,
                 )
             )
-        policy = config.policy
-        if policy == TTFT_ESTIMATE:
-            sched_cfg = ttft_estimate_config(
-                prefill_tokens_per_s=self._prefill_rate(),
-                queued_request_s=self.cost.cold_prefill_time(2048),
-                kv_bytes_per_token=self.cost.model.kv_bytes_per_token,
-                shared_gbps=config.net_gbps,
-            )
-        else:
-            sched_cfg = resolve_policy(policy)
+        sched_cfg = with_cost_model_prior(
+            resolve_policy(config.policy),
+            prefill_tokens_per_s=self._prefill_rate(),
+            queued_request_s=self.cost.cold_prefill_time(2048),
+            kv_bytes_per_token=self.cost.model.kv_bytes_per_token,
+            shared_gbps=config.net_gbps,
+            max_batched_tokens=self.replica_config.max_num_batched_tokens,
+        )
         self.router = SimRouter(
             sched_cfg,
             self.replicas,

@@ -54,7 +54,7 @@ def _profile(*refs: tuple[str, float]) -> dict[str, Any]:
 
 
 LLMD_SCHEDULERS: dict[str, dict[str, Any]] = {
-    "precise": _profile(
+    "llmd-precise": _profile(
         ("precise-prefix-cache-scorer", 3), ("kv-cache-utilization-scorer", 2), ("queue-scorer", 2)
     ),
     "approximate": _profile(
@@ -187,7 +187,7 @@ LLMD_73 = ScenarioPreset(
     ),
     schedulers=LLMD_SCHEDULERS,
     published={
-        "precise": Published(8730, 0.542, 35.56, 0.298, 0.026, 0.1),
+        "llmd-precise": Published(8730, 0.542, 35.56, 0.298, 0.026, 0.1),
         "approximate": Published(6944, 31.08, 36.07, 13.32, 0.024, 8.1),
         "load": Published(4266, 94.87, 36.30, 46.99, 0.024, 28.9),
         "random": Published(4429, 92.55, 35.67, 45.28, 0.025, 27.3),
@@ -195,7 +195,7 @@ LLMD_73 = ScenarioPreset(
 )
 
 LLMD_37_SCHEDULERS: dict[str, dict[str, Any]] = {
-    "precise": _profile(
+    "llmd-precise": _profile(
         ("precise-prefix-cache-scorer", 2), ("kv-cache-utilization-scorer", 1), ("queue-scorer", 1)
     ),
     "approximate": _profile(
@@ -262,20 +262,20 @@ LLMD_37 = ScenarioPreset(
     ),
     schedulers=LLMD_37_SCHEDULERS,
     published={
-        "precise": Published(5650.0, 0.275, 6.914, 0.193, 0.020, 0.2),
+        "llmd-precise": Published(5650.0, 0.275, 6.914, 0.193, 0.020, 0.2),
         "approximate": Published(5096.2, 7.536, 6.915, 1.549, 0.023, 0.9),
         "load": Published(3018.3, 78.303, 6.920, 41.058, 0.028, 34.2),
         "random": Published(2895.4, 84.623, 6.914, 42.011, 0.028, 34.9),
     },
     aggregation="stages",
     published_stage_p90={
-        "precise": [0.201, 0.277, 0.281, 0.281, 0.280, 0.282, 0.282, 0.288, 0.290],
+        "llmd-precise": [0.201, 0.277, 0.281, 0.281, 0.280, 0.282, 0.282, 0.288, 0.290],
         "approximate": [0.399, 0.700, 0.900, 0.794, 1.110, 1.309, 1.199, 1.900, 43.568],
         "load": [2.400, 16.101, 28.581, 59.389, 73.762, 86.063, 94.109, 114.672, 173.540],
         "random": [1.502, 23.480, 41.795, 62.490, 78.656, 83.002, 98.661, 139.286, 176.975],
     },
     published_stage_kv_peak={
-        "precise": [0.59, None, None, 0.56, None, None, None, 0.70, 0.73, None],
+        "llmd-precise": [0.59, None, None, 0.56, None, None, None, 0.70, 0.73, None],
         "approximate": [0.62, 0.42, 0.50, 0.60, 0.66, 0.81, 0.92, 0.94, 1.00, 1.00],
     },
 )
