@@ -197,8 +197,8 @@ async def start_router(fleet: Fleet, choice: RouterChoice, model: str) -> tuple[
         config = fleet.config.router_config
         assert config is not None, "the fleet's router reads its preset from a router YAML"
         # A preset by name through the YAML, so presets the CLI's --policy does not list run too
-        yaml = json.dumps({"policy": choice.kvmesh_policy, "tokenizer": "smollm2"})
-        await asyncio.to_thread(Path(config).write_text, yaml)
+        text = json.dumps({"policy": choice.kvmesh_policy, "tokenizer": "smollm2"})
+        await asyncio.to_thread(Path(config).write_text, text)
         await fleet.start_router(choice.kvmesh_policy)
         return fleet.url, None
     assert choice.peer is not None, "a RouterChoice names a kvmesh policy or a peer"
