@@ -46,3 +46,15 @@ def test_store_namespace_matches_the_connector_key_layout(tmp_path: Path) -> Non
     ns = replica(tmp_path).store_namespace()
     assert (ns.model, ns.kv_dtype, ns.kv_layout) == ("smollm2", "float32", "L30xH3xD64")
     assert ns.kv_layout == ModelKVFormat("float32", 30, 3, 64).layout_name()  # the connector's own rule
+
+
+def test_router_of_kvmesh_engines_tokenizes_with_their_model(tmp_path: Path) -> None:
+    from kvmesh.fleet.launcher import Fleet, FleetConfig
+
+    argv = Fleet(FleetConfig(num_engines=2, model="smollm2", run_dir=tmp_path))._router_argv(
+        8080, "precise", None
+    )
+    assert argv[argv.index("--tokenizer") + 1] == "smollm2"
+    own = FleetConfig(num_engines=2, run_dir=tmp_path, router_args=["--tokenizer", "/models/x"])
+    argv = Fleet(own)._router_argv(8080, "precise", None)
+    assert argv.count("--tokenizer") == 1 and argv[-1] == "/models/x"

@@ -373,3 +373,9 @@ def test_rank_is_picks_ranking_without_the_decision():
     pd = Scheduler.from_config(load_scheduler_config("pd"))
     with pytest.raises(ValueError, match="P/D"):
         pd.rank(req(), eps(A, B))
+
+
+def test_router_cli_offers_every_preset():
+    from kvmesh.router import cli
+
+    assert cli._POLICIES == PRESET_NAMES

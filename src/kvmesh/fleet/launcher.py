@@ -464,6 +464,9 @@ class Fleet:
             argv += ["--endpoints", ",".join(self.engine_urls), "--config", self.config.router_config]
         else:
             argv += ["--endpoints", ",".join(self.engine_urls), "--policy", policy]
+            if "--tokenizer" not in self.config.router_args:
+                # the engines' own tokenizer, so text and chat prompts are routed by their prefix too
+                argv += ["--tokenizer", self.config.model]
         if scheduler_config:
             argv += ["--scheduler-config", scheduler_config]
         return argv + list(self.config.router_args)

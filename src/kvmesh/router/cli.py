@@ -18,7 +18,8 @@ from kvmesh.errors import ConfigError, KVMeshError
 if TYPE_CHECKING:
     from kvmesh.router.config import RouterConfig
 
-_POLICIES = ("precise", "approximate", "load", "random", "round-robin", "pd")
+_POLICIES = ("precise", "llmd-precise", "approximate", "load", "random", "round-robin", "pd")
+"""The scheduler presets (kept here so `--help` needs no scheduler import; a test checks they agree)."""
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
