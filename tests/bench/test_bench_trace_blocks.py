@@ -51,10 +51,17 @@ def test_blocks_are_shared_bounded_and_redrawn_equal():
 def test_prompt_blocks_cut_to_the_prompt_length():
     source = BlockTokens(8, seed=0, vocab_size=500, token_low=100)
     prompt = PromptBlocks((4, 5, 6), 19, source)
-    assert len(prompt) == 19 and prompt.block_lengths() == [8, 8, 3]
-    assert prompt.token_ids() == source.block(4) + source.block(5) + source.block(6)[:3]
-    with pytest.raises(ValueError, match="exceed"):
-        source.tokens((4,), 9)
+    tokens = source.block(4) + source.block(5) + source.block(6)[:3]
+    assert len(prompt) == 19 and prompt.token_ids() == tokens == list(prompt)
+    for lo, hi in [(0, 19), (3, 11), (8, 16), (16, 19), (5, 5), (18, 40), (-4, None), (12, 2)]:
+        assert prompt[lo:hi] == tokens[lo:hi]
+    assert prompt[::3] == tokens[::3]
+    assert [prompt[i] for i in (0, 7, 8, 18, -1, -19)] == [tokens[i] for i in (0, 7, 8, 18, -1, -19)]
+    with pytest.raises(IndexError):
+        prompt[19]
+    with pytest.raises(ValueError, match="not inside"):
+        source.tokens((4,), 0, 9)
+    assert source.block_array(5).tolist() == source.block(5) and not source.block_array(5).flags.writeable
     with pytest.raises(ConfigError):
         BlockTokens(8, vocab_size=100, token_low=100)
 

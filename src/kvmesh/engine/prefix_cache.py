@@ -381,7 +381,12 @@ class PrefixCache:
             extra_keys = [[tenant] if b.parent is None else None for b in run]
         bs = self.block_size
         part = token_ids[(end - len(run)) * bs : end * bs]
-        tokens = part.tolist() if isinstance(part, np.ndarray) else list(part)
+        if isinstance(part, np.ndarray):
+            tokens = part.tolist()
+        elif isinstance(part, list):
+            tokens = part  # a slice: already a new list
+        else:
+            tokens = list(part)
         self._events.append(
             BlockStored(
                 block_hashes=[engine_block_hash(b.key) for b in run],

@@ -89,7 +89,7 @@ class PromptKeys:
             probe = (parent, h, take)
             found = memo.get(probe)
             if found is None:
-                tokens = prompt.source.block(h)
+                tokens = prompt.source.block_array(h)
                 found = self.hasher.hash_blocks(tokens[: take * bs], parent=parent)
                 self.num_blocks_hashed += 1
                 memo[probe] = found

@@ -50,8 +50,8 @@ class SimRequest:
     request_id: str
     arrival: float
     prompt: list[int] | PromptBlocks
-    """The prompt's tokens, or its trace blocks: then :attr:`tokens` builds them whenever they are
-    read (routing, caching computed blocks) and the request never holds them."""
+    """The prompt's tokens, or its trace blocks: then only the ranges read (the whole prompt for
+    routing, new blocks for their KV events) are built, and the request never holds them."""
     output_len: int
     keys: list[BlockKey]
     """Device-tier block keys of the prompt's full blocks."""
@@ -454,7 +454,7 @@ class SimReplica:
         assert alloc is not None, f"{req.request_id} computed tokens without an allocation"
         full = min(req.computed, req.prompt_len) // self.block_size
         if full > len(alloc.keys):
-            self.cache.cache_blocks(alloc, req.keys[:full], req.tokens)
+            self.cache.cache_blocks(alloc, req.keys[:full], req.prompt)
 
     def _prefill_done(self, req: SimRequest, now: float) -> None:
         self.prefilling.remove(req)
@@ -466,7 +466,7 @@ class SimReplica:
             self.stats.itl_times.append(now)
             req.preempted_at = -1.0
         if self.tiers.enabled:
-            self.tiers.write_prefix(req.keys, req.tokens, now)
+            self.tiers.write_prefix(req.keys, req.prompt, now)
         g = req.generated + 1
         self._private_fixed -= req.private
         req.private = req.prompt_len - len(req.keys) * self.block_size

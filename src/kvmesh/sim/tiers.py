@@ -14,6 +14,7 @@ the request's path) load the opposite directions. CPU reads cost ``CostModel.kv_
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.core.types import BlockKey, Medium
@@ -28,7 +29,7 @@ def _chunk_cache(capacity_tokens: int, chunk_size: int, medium: Medium) -> Prefi
     return cache
 
 
-def _insert(cache: PrefixCache, owner: str, keys: list[BlockKey], tokens: list[int]) -> int:
+def _insert(cache: PrefixCache, owner: str, keys: list[BlockKey], tokens: Sequence[int]) -> int:
     """Cache ``keys`` (chunk keys from the prompt's start) as most recently used; returns chunks added."""
     keys = keys[: cache.capacity_blocks]
     have = cache.match(keys)
@@ -184,7 +185,7 @@ class TierStack:
             self.stats.shared_read_bytes += num_bytes
         return cpu_tokens, shared_tokens, ready
 
-    def write_prefix(self, block_keys: list[BlockKey], tokens: list[int], now: float) -> None:
+    def write_prefix(self, block_keys: list[BlockKey], tokens: Sequence[int], now: float) -> None:
         """Write-through of a computed prompt's full chunks (asynchronous: loads links, delays nothing)."""
         chunks = self.chunk_keys(block_keys)
         if not chunks:
