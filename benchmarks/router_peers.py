@@ -90,6 +90,9 @@ class Size:
     turns: int
     measured_rate: float | None = None
     """QPS of the measured stage (default: ``rate``, the warm-up's)."""
+    kv_scale: float = 1.0
+    """Per-pod KV relative to llm-d's, cut by the groups factor (below 1: the prompt set outgrows
+    the fleet's KV, and only a router that sees evictions knows where prefixes still are)."""
 
 
 SIZES = {
@@ -98,6 +101,9 @@ SIZES = {
     # llm-d's scaled shape: 40 groups in 73 % of the fleet's KV, a warm-up that sends each prompt
     # about once, then twice the rate a fleet without cache hits sustains
     "loaded": Size(groups=40, rate=15.0, stage_s=12.0, conversations=16, turns=5, measured_rate=30.0),
+    "tight": Size(
+        groups=40, rate=15.0, stage_s=12.0, conversations=16, turns=5, measured_rate=30.0, kv_scale=0.5
+    ),
 }
 
 
@@ -135,7 +141,7 @@ def tokens_per_word(tokenizer: Tokenizer) -> float:
 
 def kv_capacity_tokens(size: Size) -> int:
     """llm-d's per-pod KV, cut by the same factor as its 150 groups."""
-    return LLMD_KV_CAPACITY * size.groups // LLMD_GROUPS
+    return int(LLMD_KV_CAPACITY * size.groups * size.kv_scale) // LLMD_GROUPS
 
 
 def build_workloads(size: Size, ratio: float, seed: int) -> dict[str, tuple[Workload, str]]:
@@ -321,7 +327,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--size",
         choices=sorted(SIZES),
         default=None,
-        help="full (default), quick, or loaded (llm-d's scaled shape)",
+        help="full (default), quick, loaded (llm-d's scaled shape), tight (loaded with half the KV)",
     )
     p.add_argument("--policies", default=",".join(KVMESH_PRESETS),
                    help=f"kvmesh router presets, comma-separated (default: {','.join(KVMESH_PRESETS)})")  # fmt: skip
