@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import random
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -11,7 +12,7 @@ from kvmesh.bench.trace_blocks import BlockTokens, PromptBlocks
 from kvmesh.bench.workloads import MooncakeTraceWorkload, RequestSpec
 from kvmesh.cli import main
 from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
-from kvmesh.sim.fleet import FleetConfig, simulate
+from kvmesh.sim.fleet import FleetConfig, FleetSimulation, simulate
 from kvmesh.sim.prompt_keys import PromptKeys
 from kvmesh.sim.report import build_report
 
@@ -166,3 +167,13 @@ def test_cli_trace_errors(trace, tmp_path, capsys):
     assert "apply to --trace" in capsys.readouterr().err
     assert main(["sim", "--trace", str(tmp_path / "nope.jsonl"), "--replicas", "2"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_a_run_frees_the_fleet_an_earlier_run_left_behind(trace):
+    first = FleetSimulation(fleet("random"))
+    first.run(MooncakeTraceWorkload(trace, max_requests=5))
+    gone = weakref.ref(first.replicas[0])
+    del first
+    second = FleetSimulation(fleet("random"))
+    second.run(MooncakeTraceWorkload(trace, max_requests=5))
+    assert gone() is None  # not kept next to the new fleet while the collector is paused

@@ -393,7 +393,11 @@ class FleetSimulation:
         self.loop.call_at(0.0, self._sample_queue)
         # The run allocates millions of long-lived objects and little cyclic garbage; the cyclic
         # collector's full passes over them grow with the run's size, so it waits until the end.
+        # What earlier runs left behind (a dropped fleet is one large cycle) goes first, or it
+        # would stay in memory next to this run's fleet.
         gc_was_enabled = gc.isenabled()
+        if gc_was_enabled:
+            gc.collect()
         gc.disable()
         try:
             self.loop.run(until)
