@@ -86,3 +86,31 @@ def test_fit_is_a_weighted_ratio_within_the_samples_range(samples):
 def test_decay_must_be_a_fraction():
     with pytest.raises(ValueError, match="decay"):
         PrefillLedger(decay=0.0)
+
+
+def test_refresh_drains_the_backlog_at_the_learned_speed_but_never_below_zero():
+    ledger = PrefillLedger(min_tokens=100)
+    a, b = EndpointState(A), EndpointState(B)
+    for i in range(int(MIN_SAMPLE_WEIGHT) + 8):  # learn 1000 tokens/s
+        ledger.sent(f"w{i}", b, 1000, now=10.0 * i)
+        ledger.first_token(f"w{i}", now=10.0 * i + 1.0)
+    t = 1000.0
+    ledger.refresh(t)
+    ledger.sent("big", a, 4000, now=t)
+    ledger.refresh(t + 1.5)  # 1.5 s at 1000 tokens/s: 1500 of 4000 done
+    assert a.pending_prefill_tokens == 2500
+    ledger.sent("next", a, 1000, now=t + 1.5)
+    assert a.pending_prefill_tokens == 3500
+    ledger.refresh(t + 100.0)
+    assert a.pending_prefill_tokens == 0
+    ledger.first_token("big", now=t + 100.0)  # releasing open work never goes negative
+    assert a.pending_prefill_tokens == 0
+    assert len(ledger) == 1
+
+
+def test_without_a_learned_speed_nothing_drains():
+    ledger = PrefillLedger()
+    a = EndpointState(A)
+    ledger.sent("r", a, 4000, now=0.0)
+    ledger.refresh(100.0)
+    assert a.pending_prefill_tokens == 4000
