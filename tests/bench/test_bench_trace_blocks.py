@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmesh.bench.trace_blocks import BlockTokens, PromptBlocks, block_token_array
-from kvmesh.bench.workloads import MooncakeTraceWorkload, shifted, synthetic_tokens
+from kvmesh.bench.workloads import BlockWorkload, MooncakeTraceWorkload, shifted, synthetic_tokens
 from kvmesh.errors import ConfigError
 
 
@@ -79,7 +79,15 @@ def test_trace_requests_carry_their_blocks_and_tokens_alike(tmp_path):
             {"timestamp": 10, "input_length": 700, "output_length": 5, "hash_ids": [1, 4]},
         ],
     )
-    specs = list(MooncakeTraceWorkload(trace, cached_blocks=1).requests())
+    workload = MooncakeTraceWorkload(trace, cached_blocks=1)
+    specs = list(workload.requests())
+    blocks_only = list(workload.block_requests())
+    assert isinstance(workload, BlockWorkload)
+    assert [s.prompt_token_ids for s in blocks_only] == [[], []]
+    assert [s.prompt_blocks.token_ids() for s in blocks_only] == [s.prompt_token_ids for s in specs]
+    assert [(s.request_id, s.arrival_s, s.reusable_prefix_len) for s in blocks_only] == [
+        (s.request_id, s.arrival_s, s.reusable_prefix_len) for s in specs
+    ]
     first, second = specs
     assert first.prompt_blocks is not None and second.prompt_blocks is not None
     assert first.prompt_blocks.hash_ids == (1, 2, 3) and second.prompt_blocks.hash_ids == (1, 4)
@@ -94,5 +102,7 @@ def test_shifted_trace_drops_blocks_that_no_longer_match_its_tokens(tmp_path):
     trace = _trace(
         tmp_path / "t.jsonl", [{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}]
     )
-    (spec,) = shifted(MooncakeTraceWorkload(trace), 7).requests()
+    wrapped = shifted(MooncakeTraceWorkload(trace), 7)
+    (spec,) = wrapped.requests()
     assert spec.prompt_blocks is None and len(spec.prompt_token_ids) == 600
+    assert not isinstance(wrapped, BlockWorkload)

@@ -30,7 +30,7 @@ import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, TextIO, TypeAlias
+from typing import Any, Literal, Protocol, TextIO, TypeAlias, runtime_checkable
 
 import yaml
 
@@ -84,7 +84,8 @@ class RequestSpec:
     """Which of the workload's distinct prompts this is (equal ids, equal tokens); ``None`` if untracked."""
     prompt_blocks: PromptBlocks | None = None
     """The same prompt as a chain of shared token blocks (trace replays), for consumers that work
-    block by block and need not hold the tokens (the simulator)."""
+    block by block and need not hold the tokens (the simulator, through
+    :meth:`BlockWorkload.block_requests`, where ``prompt_token_ids`` is left empty)."""
 
 
 class Workload(Protocol):
@@ -93,6 +94,16 @@ class Workload(Protocol):
     name: str
 
     def requests(self) -> Iterator[RequestSpec]: ...
+
+
+@runtime_checkable
+class BlockWorkload(Workload, Protocol):
+    """A workload whose prompts are chains of shared token blocks (trace replays)."""
+
+    def block_requests(self) -> Iterator[RequestSpec]:
+        """The stream of :meth:`requests` without token lists: each prompt is only in
+        ``prompt_blocks`` and ``prompt_token_ids`` is empty (for consumers that read blocks)."""
+        ...
 
 
 # --- lengths -------------------------------------------------------------------------------------
@@ -449,7 +460,8 @@ class MooncakeTraceWorkload:
     Hash id ``h`` stands for one block of ``block_tokens`` tokens; its tokens are drawn from a PRNG
     seeded by ``(seed, h)``, so equal ids give equal blocks in every run. A prompt is the concatenation
     of its blocks cut to ``input_length`` (the last block may be partial); each request also carries
-    it as ``prompt_blocks``. Arrival = (timestamp − first timestamp) / 1000 / ``speedup``.
+    it as ``prompt_blocks``, and :meth:`block_requests` yields the stream with blocks only. Arrival =
+    (timestamp − first timestamp) / 1000 / ``speedup``.
 
     Args:
         max_requests: replay only the first lines of the trace.
@@ -524,6 +536,12 @@ class MooncakeTraceWorkload:
             yield lineno, rec
 
     def requests(self) -> Iterator[RequestSpec]:
+        for spec in self.block_requests():
+            assert spec.prompt_blocks is not None, "block_requests carries every prompt as blocks"
+            spec.prompt_token_ids = spec.prompt_blocks.token_ids()
+            yield spec
+
+    def block_requests(self) -> Iterator[RequestSpec]:
         source = BlockTokens(
             self.block_tokens,
             seed=self.seed,
@@ -552,14 +570,13 @@ class MooncakeTraceWorkload:
                     reusable += reused
                     reusing = reused == take
                 seen_len[h] = max(seen_len.get(h, 0), take)
-            prompt = PromptBlocks(hash_ids, n, source)
             yield RequestSpec(
                 request_id=f"{self.name}-{i}",
                 arrival_s=(float(rec["timestamp"]) - t0) / 1000.0 / self.speedup,
-                prompt_token_ids=prompt.token_ids(),
+                prompt_token_ids=[],
                 output_len=max(1, rec["output_length"]),
                 reusable_prefix_len=reusable,
-                prompt_blocks=prompt,
+                prompt_blocks=PromptBlocks(hash_ids, n, source),
             )
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.bench.trace_blocks import PromptBlocks
-from kvmesh.bench.workloads import RequestSpec, Workload
+from kvmesh.bench.workloads import BlockWorkload, RequestSpec, Workload
 from kvmesh.core.types import PodId
 from kvmesh.engine.cost_model import CostModel, CostPreset, get_preset
 from kvmesh.engine.prefix_cache import PrefixCache
@@ -388,7 +388,9 @@ class FleetSimulation:
         self._stage_rates = [s.rate for s in stages] if stages else []
         self._stage_starts = list(itertools.accumulate((s.duration for s in stages or []), initial=0.0))
         wall = time.perf_counter()
-        self._source = iter(workload.requests())
+        self._source = (
+            workload.block_requests() if isinstance(workload, BlockWorkload) else iter(workload.requests())
+        )
         self._next_arrival()
         self.loop.call_at(0.0, self._sample_queue)
         # The run allocates millions of long-lived objects and little cyclic garbage; the cyclic

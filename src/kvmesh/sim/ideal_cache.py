@@ -86,13 +86,15 @@ class IdealSharedCache:
         self.num_requests += 1
         self.prompt_tokens += prompt_len
         self.hit_tokens += hit
+        move = lru.move_to_end
         for key in reversed(keys):
             if key in lru:
-                lru.move_to_end(key)
+                move(key)
             else:
                 lru[key] = None
-                if len(lru) > self.capacity_blocks:
-                    lru.popitem(last=False)
+        # An LRU cache holds the most recent blocks whenever it evicts, so evicting once is exact.
+        for _ in range(len(lru) - self.capacity_blocks):
+            lru.popitem(last=False)
         return hit
 
     def result(self) -> IdealCacheResult:
