@@ -46,9 +46,10 @@ def with_cost_model_prior(
 ) -> dict[str, Any]:
     """``config`` with every ``ttft-estimate-scorer`` given the simulated GPU's figures as its prior.
 
-    A live router starts from its YAML's prior and learns each endpoint's speed from first tokens;
-    the simulator knows the engines' cost model, so its routers start where they would converge
-    (GB/s per tier: CPU over PCIe, the shared tier over the network).
+    A live router starts from its YAML's prior and learns the pool's speed from first tokens; the
+    simulator knows the engines' cost model, so its routers start where they would converge (GB/s
+    per tier: CPU over PCIe, the shared tier over the network). A ``queuedRequestSeconds`` the
+    config sets is kept: it is a policy choice as much as a hardware figure.
     """
     out = dict(config)
     plugins = []
