@@ -247,30 +247,18 @@ def test_load_workload_flat_layout_and_errors(tmp_path):
         load_workload({"type": "nope"})
     with pytest.raises(ConfigError, match="shared_prefix"):
         load_workload({"type": "shared_prefix", "num_groups": 1})
+    tiny = {
+        "type": "shared_prefix",
+        "num_groups": 1,
+        "num_prompts_per_group": 1,
+        "system_prompt_len": 1,
+        "question_len": 1,
+        "output_len": 1,
+    }
     with pytest.raises(ConfigError, match="stage"):
-        load_workload(
-            {
-                "type": "shared_prefix",
-                "num_groups": 1,
-                "num_prompts_per_group": 1,
-                "system_prompt_len": 1,
-                "question_len": 1,
-                "output_len": 1,
-                "stages": [{"rate": 0, "duration": 1}],
-            }
-        )
+        load_workload({**tiny, "stages": [{"rate": 0, "duration": 1}]})
     with pytest.raises(ConfigError, match="warmup"):
-        load_workload(
-            {
-                "type": "shared_prefix",
-                "num_groups": 1,
-                "num_prompts_per_group": 1,
-                "system_prompt_len": 1,
-                "question_len": 1,
-                "output_len": 1,
-                "stages": [{"rate": 1, "duration": 1, "warmup": "yes"}],
-            }
-        )
+        load_workload({**tiny, "stages": [{"rate": 1, "duration": 1, "warmup": "yes"}]})
     with pytest.raises(ConfigError, match="mapping"):
         load_workload("- a\n- b\n")
 
