@@ -64,7 +64,7 @@ class FakeEngine:
     vllm_like: bool = False
     """Answer 404 on /kvmesh/info, as an unmodified vLLM pod does."""
 
-    async def start(self, port: int = 0) -> FakeEngine:
+    async def start(self, port: int = 0, host: str = "127.0.0.1") -> FakeEngine:
         self.publisher = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
@@ -76,9 +76,9 @@ class FakeEngine:
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
         port = port or free_port()
-        site = web.TCPSite(self.runner, "127.0.0.1", port)
+        site = web.TCPSite(self.runner, host, port)
         await site.start()
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{host}:{port}"
         return self
 
     async def stop(self) -> None:

@@ -6,6 +6,7 @@ Pieces, each usable alone (the fleet simulator drives the index and scheduler in
     request ─► gateway (tokenize) ─► scheduler (filters → scorers → picker) ─► endpoint
 """
 
+from kvmesh.router.discovery import DnsDiscovery, DnsDiscoveryConfig
 from kvmesh.router.endpoints import EndpointConfig, EndpointPool
 from kvmesh.router.gateway import Gateway
 from kvmesh.router.index import BlockIndex, IndexStats, InMemoryIndex, InstrumentedIndex, MediumSet
@@ -21,6 +22,8 @@ __all__ = [
     "BlockIndex",
     "BlockKeyMemo",
     "Decision",
+    "DnsDiscovery",
+    "DnsDiscoveryConfig",
     "EndpointConfig",
     "EndpointPool",
     "EndpointState",

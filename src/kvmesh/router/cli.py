@@ -60,8 +60,11 @@ def _cmd_router(args: argparse.Namespace) -> int:
     )
     try:
         config = _config_from_args(args)
-        if not config.endpoints:
-            print("kvmesh router: no endpoints (give --endpoints or endpoints: in --config)", file=sys.stderr)
+        if not config.endpoints and not config.discovery:
+            print(
+                "kvmesh router: no endpoints (give --endpoints, or endpoints: or discovery: in --config)",
+                file=sys.stderr,
+            )
             return 2
         tokenizer: PromptTokenizer | None = None
         if config.tokenizer:
@@ -73,8 +76,9 @@ def _cmd_router(args: argparse.Namespace) -> int:
     except (KVMeshError, yaml.YAMLError) as exc:
         print(f"kvmesh router: {exc}", file=sys.stderr)
         return 2
+    followed = "".join(f", following {d.service}" for d in config.discovery)
     print(
-        f"kvmesh router on http://{config.host}:{config.port} → {len(config.endpoints)} endpoints",
+        f"kvmesh router on http://{config.host}:{config.port} → {len(config.endpoints)} endpoints{followed}",
         file=sys.stderr,
     )
     web.run_app(gateway.app, host=config.host, port=config.port, print=None, access_log=None, loop=loop)

@@ -32,6 +32,7 @@ import yaml
 
 from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, HashAlgo
 from kvmesh.errors import ConfigError
+from kvmesh.router.discovery import DnsDiscoveryConfig
 from kvmesh.router.endpoints import EndpointConfig
 
 ADMIN_TOKEN_ENV = "KVMESH_ROUTER_ADMIN_TOKEN"
@@ -83,6 +84,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     index: IndexConfig = msgspec.field(default_factory=IndexConfig)
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     endpoints: list[EndpointConfig] = msgspec.field(default_factory=list)
+    discovery: list[DnsDiscoveryConfig] = msgspec.field(default_factory=list)
+    """DNS names (Kubernetes headless Services) whose addresses are engine pods, followed at run
+    time; see :mod:`kvmesh.router.discovery`."""
     events_topic: str = ""
     max_attempts: int = 3
     """Endpoints tried per request when connecting fails."""

@@ -39,6 +39,7 @@ from kvmesh.core.hashing import HashAlgo, Namespace
 from kvmesh.core.types import PodId
 from kvmesh.errors import ConfigError, RequestError, TierUnavailableError
 from kvmesh.router.config import RouterConfig
+from kvmesh.router.discovery import DnsDiscovery
 from kvmesh.router.endpoints import EndpointConfig, EndpointPool, normalize_url
 from kvmesh.router.index import BlockIndex, InMemoryIndex, InstrumentedIndex
 from kvmesh.router.ingest import EventApplier
@@ -132,6 +133,7 @@ class Gateway:
         self.metrics.watch_endpoints(lambda: [] if self.pool is None else self.pool.states())
         self.intake: EventIntake | None = None
         self.pool: EndpointPool | None = None
+        self.discovery: DnsDiscovery | None = None
         self._session: aiohttp.ClientSession | None = None
         self._pending_events: dict[PodId, tuple[str, str | None]] = {}
         self._ids = itertools.count()
@@ -198,11 +200,17 @@ class Gateway:
         )
         for endpoint in self.config.endpoints:
             await self.pool.add(endpoint)
+        if self.config.discovery:
+            self.discovery = DnsDiscovery(self.pool, self.config.discovery)
+            await self.discovery.refresh()
+            self.discovery.start()
         self._maybe_start_intake()
         self.pool.start()
 
     async def aclose(self) -> None:
         """Stop background work and close sockets and sessions."""
+        if self.discovery is not None:
+            await self.discovery.aclose()
         if self.pool is not None:
             await self.pool.aclose()
         if self.intake is not None:
