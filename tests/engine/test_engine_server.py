@@ -224,6 +224,9 @@ async def test_metrics_use_vllm_names_and_count_hits(make_engine, http) -> None:
         == hits
     )
     assert value("vllm:time_to_first_token_seconds_count{") == 2
+    # two tokens per request: one gap each
+    assert value("vllm:inter_token_latency_seconds_count{") == 2
+    assert value("vllm:inter_token_latency_seconds_sum{") > 0
 
 
 async def test_tenants_do_not_share_cache(make_engine, http) -> None:

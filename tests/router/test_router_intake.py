@@ -36,7 +36,8 @@ async def test_live_events_reach_the_index_and_replay_rebuilds_a_new_router():
     try:
         pub.publish([BlockStored([1, 2], None, TOKENS[:32], 16)])
         idx = InMemoryIndex()
-        intake = EventIntake(EventApplier(idx, model="m"))
+        lags: list[float] = []
+        intake = EventIntake(EventApplier(idx, model="m"), on_lag=lags.append)
         intake.add_pod(POD, pub.endpoint, pub.replay_endpoint)
         intake.start()
         # the batch published before we subscribed arrives through replay
@@ -45,6 +46,8 @@ async def test_live_events_reach_the_index_and_replay_rebuilds_a_new_router():
         pub.publish([BlockStored([3, 4], 2, TOKENS[32:64], 16)])
         await wait_for(lambda: held(idx) == 64)
         await intake.aclose()
+        # one lag per applied batch: publication (the batch's wall-clock ts) to application
+        assert len(lags) == 2 and all(0.0 <= lag < 5.0 for lag in lags)
 
         # a restarted router (fresh index) rebuilds everything from replay
         idx2 = InMemoryIndex()

@@ -15,7 +15,7 @@ histograms are observed by the server as requests finish. Each engine owns its o
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -31,6 +31,8 @@ _TTFT_BUCKETS = (
 )  # fmt: skip
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)  # fmt: skip
 
 
 class _CoreCollector(Collector):
@@ -112,6 +114,13 @@ class EngineMetrics:
             buckets=_E2E_BUCKETS,
             registry=self.registry,
         ).labels(model_name)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            ["model_name"],
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
         self._success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -125,10 +134,14 @@ class EngineMetrics:
             registry=self.registry,
         )
 
-    def observe_request(self, ttft: float | None, e2e: float, finish_reason: str | None) -> None:
-        """Record a finished request."""
+    def observe_request(
+        self, ttft: float | None, e2e: float, finish_reason: str | None, token_gaps: Sequence[float] = ()
+    ) -> None:
+        """Record a finished request (``token_gaps``: seconds between its consecutive tokens)."""
         if ttft is not None:
             self.ttft.observe(ttft)
+        for gap in token_gaps:
+            self.itl.observe(gap)
         self.e2e.observe(e2e)
         if finish_reason in ("stop", "length"):
             self._success.labels(self.model_name, finish_reason).inc()

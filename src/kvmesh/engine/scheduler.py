@@ -119,6 +119,9 @@ class EngineRequest:
         A preempted request re-admitted later finds its own blocks cached; that is not a hit."""
         self.num_output_tokens = 0
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.token_gaps: list[float] = []
+        """Seconds between consecutive output tokens (the inter-token latencies metrics export)."""
         self.finish_time: float | None = None
         self.finish_reason: str | None = None
         self.aborted = False
@@ -510,6 +513,9 @@ class EngineCore:
         self.stats.num_generation_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = now
+        if req.last_token_time is not None:
+            req.token_gaps.append(now - req.last_token_time)
+        req.last_token_time = now
         reason = self._stop_reason(req, token)
         req._emit(RequestOutput([token]))
         if reason is not None:

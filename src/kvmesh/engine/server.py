@@ -284,7 +284,7 @@ class EngineServer:
         req = choice.req
         now = time.monotonic()
         ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
-        self.metrics.observe_request(ttft, now - req.arrival_time, choice.finish_reason)
+        self.metrics.observe_request(ttft, now - req.arrival_time, choice.finish_reason, req.token_gaps)
 
     async def _next(self, request: web.Request, choice: _Choice) -> tuple[list[int], str | None] | None:
         """Wait for the next outputs of ``choice``; ``None`` if the client disconnected meanwhile."""

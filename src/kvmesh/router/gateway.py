@@ -254,7 +254,9 @@ class Gateway:
             memo=self.memo,
         )
         self.scheduler.align_match = self.applier.align_match
-        self.intake = EventIntake(self.applier, topic=self.config.events_topic)
+        self.intake = EventIntake(
+            self.applier, topic=self.config.events_topic, on_lag=self.metrics.event_lag_seconds.observe
+        )
         for pod, (endpoint, replay) in self._pending_events.items():
             self.intake.add_pod(pod, endpoint, replay)
         self._pending_events.clear()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Callable
 
 from kvmesh.core.event_transport import ZmqEventSubscriber
 from kvmesh.core.events import KVEventBatch
@@ -29,10 +31,15 @@ class EventIntake:
     Args:
         applier: turns events into index updates.
         topic: ZMQ subscription prefix ("" takes every topic).
+        on_lag: called with the seconds from each batch's publication (its ``ts``, the publisher's
+            wall clock) to its application.
     """
 
-    def __init__(self, applier: EventApplier, *, topic: str = "") -> None:
+    def __init__(
+        self, applier: EventApplier, *, topic: str = "", on_lag: Callable[[float], None] | None = None
+    ) -> None:
         self.applier = applier
+        self.on_lag = on_lag
         self.subscriber = ZmqEventSubscriber(self._on_batch, self._on_reset, topic=topic)
         self._task: asyncio.Task[None] | None = None
         self._sources: dict[PodId, tuple[str, str | None]] = {}
@@ -80,6 +87,8 @@ class EventIntake:
     def _on_batch(self, pod: PodId, seq: int, batch: KVEventBatch) -> None:
         try:
             self.applier.apply_batch(pod, batch)
+            if self.on_lag is not None and batch.ts > 0:
+                self.on_lag(max(0.0, time.time() - batch.ts))
         except TierUnavailableError as exc:
             # A shared index that is down loses these updates; routing degrades, events keep flowing.
             self.num_index_failures += 1

@@ -10,6 +10,8 @@
 ``kvmesh_router_schedule_seconds``              tokenize + match + pick, per request
 ``kvmesh_router_retries_total``                 connect failures retried on the next endpoint
 ``kvmesh_router_errors_total{kind}``            requests answered with an error, by cause
+``kvmesh_router_event_lag_seconds``             publish (the batch's ``ts``) to applied, per event
+                                                batch; replayed history after a restart counts too
 ``kvmesh_router_ingest_*_total``                the event applier's counters (``IngestStats``
                                                 without ``num_``): ``..._block_size_mismatch``,
                                                 ``..._skipped_groups``, ``..._bad_events``, ...
@@ -120,6 +122,7 @@ class EndpointLoadCollector:
 
 
 _LATENCY_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
+_EVENT_LAG_BUCKETS = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 60.0)
 
 
 class RouterMetrics:
@@ -152,6 +155,12 @@ class RouterMetrics:
             "kvmesh_router_schedule_seconds",
             "Tokenize, prefix match and pick per request",
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.event_lag_seconds = Histogram(
+            "kvmesh_router_event_lag_seconds",
+            "Seconds from an engine publishing a KV event batch to the router applying it",
+            buckets=_EVENT_LAG_BUCKETS,
             registry=r,
         )
         self.retries = Counter("kvmesh_router_retries", "Connect failures retried elsewhere", registry=r)
