@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.kvmesh-installed
 
-.PHONY: demo demo-quick test lint typecheck unit bench install peers vllm models system-deps clean
+.PHONY: demo demo-quick test lint typecheck unit bench install peers vllm models deploy-tools system-deps clean
 
 install: $(STAMP)
 
@@ -24,6 +24,14 @@ vllm: install
 models: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/kvmesh model smollm2 >/dev/null
 
+# kubectl (kustomize) and .venv-deploy (kubernetes-validate, checkov, grafana-foundation-sdk) for the
+# offline checks of deploy/ (tests/deploy).
+deploy-tools: .venv-deploy/.installed
+
+.venv-deploy/.installed: deploy/tools-requirements.txt scripts/install-deploy-tools.sh | install
+	PYTHON=$(PYTHON) bash scripts/install-deploy-tools.sh
+	touch $@
+
 system-deps:
 	bash scripts/system-deps.sh
 
@@ -34,8 +42,8 @@ demo-quick: install models vllm
 	HF_HUB_OFFLINE=1 $(VENV)/bin/kvmesh demo --quick
 
 lint: install
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks deploy
+	$(VENV)/bin/ruff format --check src tests benchmarks deploy
 
 typecheck: install
 	$(VENV)/bin/mypy
@@ -43,10 +51,10 @@ typecheck: install
 unit: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-test: install models peers vllm lint typecheck unit
+test: install models peers vllm deploy-tools lint typecheck unit
 
 bench: install
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.run_all
 
 clean:
-	rm -rf $(VENV) .venv-aiperf .venv-sglang-router .venv-vllm-router .venv-vllm .venv-vllm.unavailable build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-aiperf .venv-sglang-router .venv-vllm-router .venv-vllm .venv-vllm.unavailable .venv-deploy build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
