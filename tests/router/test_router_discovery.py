@@ -77,6 +77,10 @@ async def test_pool_follows_the_names_addresses(pods):
             await discovery.refresh()
             assert discovery.discovered() == {engines[0].url, engines[1].url}
 
+            pool.remove(engines[0].url)  # dropped by hand while DNS still names it: joins again
+            await discovery.refresh()
+            assert engines[0].url in pool
+
             dns.answer = None  # resolver down: nothing changes
             await discovery.refresh()
             assert discovery.num_lookup_failures == 1

@@ -138,7 +138,7 @@ class DnsDiscovery:
             self.pool.remove(pod)
             owned.discard(pod)
         for pod, address in sorted(wanted.items()):
-            if pod in owned or pod in self.pool:
+            if pod in self.pool:  # already there: joined earlier, or configured or added by the admin API
                 continue
             logger.info("discovery: %s joined %s", pod, config.service)
             await self.pool.add(config.endpoint_for(address))
