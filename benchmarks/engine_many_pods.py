@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from engine_common import start_engine, timed_completion
 
+from kvmesh.engine.core import EngineCore, EngineRequest, SchedulerConfig
 from kvmesh.engine.emulated_runner import EmulatedRunner
 from kvmesh.engine.prefix_cache import PrefixCache
 from kvmesh.engine.runner import SamplingParams
-from kvmesh.engine.scheduler import EngineCore, EngineRequest, SchedulerConfig
 
 
 def cpu_seconds(pid: int) -> float:

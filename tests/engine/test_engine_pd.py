@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 
 from kvmesh.engine.app import EngineOptions, build_engine
-from kvmesh.engine.scheduler import Role
+from kvmesh.engine.request import Role
 
 pytestmark = pytest.mark.slow
 

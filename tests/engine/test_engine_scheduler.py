@@ -7,10 +7,10 @@ import asyncio
 import pytest
 
 from kvmesh.core.hashing import BlockHasher, Namespace
+from kvmesh.engine.core import EngineCore, EngineRequest, SchedulerConfig
 from kvmesh.engine.emulated_runner import EmulatedRunner
 from kvmesh.engine.prefix_cache import PrefixCache
 from kvmesh.engine.runner import SamplingParams, StepOutput, StepPlan
-from kvmesh.engine.scheduler import EngineCore, EngineRequest, SchedulerConfig
 
 
 class RecordingRunner(EmulatedRunner):
@@ -102,9 +102,10 @@ async def test_max_num_seqs_bounds_the_batch_fcfs() -> None:
 
 
 async def test_decode_out_of_blocks_preempts_and_recomputes() -> None:
-    # 6 blocks of 16: two requests of 40 prompt tokens (3 blocks each) fill it; the first decode
-    # that needs a fourth block preempts the later request, which re-runs afterwards.
-    core, runner = make_core(capacity_tokens=96)
+    # 7 blocks of 16: two requests of 40 prompt tokens hold 2 full blocks each, and their 8-token
+    # tails plus a block of slack each take the other 3. The first generated tokens need a fourth
+    # block there: the later request is preempted, and re-runs its prompt and token afterwards.
+    core, runner = make_core(capacity_tokens=112)
     await core.start()
     try:
         a = await core.add_request(

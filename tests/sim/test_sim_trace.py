@@ -68,14 +68,14 @@ def fleet(policy: str, **kw) -> FleetConfig:
     )
 
 
-# Figures of this run before prompts were replayed block by block (token lists per request, keys
-# hashed from them): replica per request, GPU and shared-tier hit tokens, Σ TTFT, last finish,
-# preemptions, device-tier evictions.
+# Figures of this run on the token path (token lists per request, keys hashed from them; see
+# TokensOnly): replica per request, GPU and shared-tier hit tokens, Σ TTFT, last finish,
+# preemptions, device-tier evictions. Block replay must reproduce them exactly.
 BEFORE = {
-    "random": ("101101202101112000021220000012201102", 26640, 0, 12.794543650273873, 3.656620441350271, 15, 1086),
-    "approximate": ("000000000000000000021212121222121121", 33824, 0, 6.677373294418907, 2.962912990290111, 11, 742),
-    "load": ("021012021012010201202101210210000002", 26896, 0, 9.898092401407052, 3.0214393600981064, 11, 943),
-    "round-robin": ("012012012012012012012012012012012012", 22720, 16720, 16.50561989195344, 3.304246183126711, 6, 1147),
+    "random": ('101101202101112000021220000012201102', 26640, 0, 12.79457719613657, 3.6566142860428146, 19, 1088),
+    "approximate": ('000000000000000000021212121222121121', 33824, 0, 6.67740420928458, 2.962920555663245, 11, 742),
+    "load": ('021012021012010201202101210210000002', 26896, 0, 9.898213352924433, 3.021439153769748, 13, 943),
+    "round-robin": ('012012012012012012012012012012012012', 22720, 16720, 16.505933459475827, 3.3026062177058155, 7, 1148),
 }  # fmt: skip
 
 

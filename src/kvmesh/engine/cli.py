@@ -82,7 +82,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     from kvmesh.core.event_transport import DEFAULT_TOPIC
     from kvmesh.engine.app import EngineOptions, build_engine
-    from kvmesh.engine.scheduler import Role
+    from kvmesh.engine.request import Role
     from kvmesh.errors import KVMeshError
 
     opts = EngineOptions(

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvmesh.engine.scheduler import EngineCore
+from kvmesh.engine.core import EngineCore
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -31,6 +31,7 @@ import msgspec
 from aiohttp import web
 
 from kvmesh.core.tokens import Tokenizer
+from kvmesh.engine.core import EngineCore
 from kvmesh.engine.detokenizer import StopMatcher, StreamDetokenizer
 from kvmesh.engine.metrics import CONTENT_TYPE, EngineMetrics
 from kvmesh.engine.peer_api import PeerApi
@@ -48,7 +49,7 @@ from kvmesh.engine.protocol import (
     sampling_params,
     stop_strings,
 )
-from kvmesh.engine.scheduler import EngineCore, EngineRequest, Role
+from kvmesh.engine.request import EngineRequest, Role
 from kvmesh.errors import RequestError
 
 logger = logging.getLogger(__name__)

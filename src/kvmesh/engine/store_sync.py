@@ -1,0 +1,163 @@
+"""The engine's traffic with the KV store: prefixes loaded before a request queues, prompts written after.
+
+A request's prefix is looked up (and fetched) before it joins the queue, so the scheduling loop never
+waits on the store. A prompt's new full chunks are written once per request, after its first token is
+out (off the TTFT path): the step queues the request, the loop exports its KV after streaming the
+token, and the write runs in the background. A request released while its write is queued keeps its
+runner state until the export is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+
+from kvmesh.engine.prefix_cache import PrefixCache
+from kvmesh.engine.request import EngineRequest, EngineStats, Role
+from kvmesh.engine.runner import ModelRunner, Sequence
+from kvmesh.engine.store_connector import LoadedPrefix, NullPrefixStore, PrefixStore
+
+logger = logging.getLogger(__name__)
+
+
+class StoreSync:
+    """Loads prefixes from and writes prompts to a :class:`PrefixStore` for one engine.
+
+    Args:
+        store: the store (``None`` or :class:`NullPrefixStore`: no store traffic at all).
+        runner: where prompt KV is exported from, and whose per-sequence state is freed.
+        cache: the device tier (a prefix it already holds is not fetched again).
+        stats: the engine's counters (store reads and writes).
+        write: write prompts to the store (reads happen either way).
+    """
+
+    def __init__(
+        self,
+        store: PrefixStore | None,
+        runner: ModelRunner,
+        cache: PrefixCache,
+        stats: EngineStats,
+        *,
+        write: bool = True,
+    ) -> None:
+        self.store: PrefixStore = store or NullPrefixStore()
+        self.enabled = store is not None and not isinstance(store, NullPrefixStore)
+        self.runner = runner
+        self.cache = cache
+        self.stats = stats
+        self.write = write
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._queued: list[EngineRequest] = []
+        self._deferred_free: list[Sequence] = []
+
+    # ---------------------------------------------------------------- reads
+
+    def cacheable_tokens(self, req: EngineRequest) -> int:
+        """Prompt tokens a cache hit may cover: never the block holding the last prompt token."""
+        bs = self.cache.block_size
+        return (req.prompt_len - 1) // bs * bs
+
+    async def load_prefix(self, req: EngineRequest) -> None:
+        """Fetch the longest stored prefix that beats the device tier into ``req.loaded``."""
+        if not self.enabled:
+            return
+        bs = self.cache.block_size
+        limit_tokens = self.cacheable_tokens(req)
+        local_tokens = self.cache.match(req.keys[: limit_tokens // bs]) * bs
+        probe = req.seq.token_ids[:limit_tokens]
+        if len(probe) < self.store.chunk_size or local_tokens >= limit_tokens:
+            return
+        try:
+            stored = await self.store.lookup(probe, req.tenant)
+            loaded = await self.store.retrieve(probe, req.tenant) if stored > local_tokens else None
+        except Exception:
+            # The store turns tier failures into misses; anything escaping it is a store bug. It is
+            # logged loudly and the request recomputes instead of failing.
+            self.stats.num_store_read_failures += 1
+            logger.exception("store lookup failed; recomputing")
+            return
+        if loaded is None or loaded.num_tokens <= local_tokens:
+            return
+        num_tokens = min(loaded.num_tokens, limit_tokens)
+        num_tokens -= num_tokens % bs
+        kv = loaded.kv[:, :, :, :num_tokens] if loaded.kv.shape[3] != num_tokens else loaded.kv
+        req.loaded = LoadedPrefix(num_tokens, kv, loaded.tier)
+
+    # ---------------------------------------------------------------- writes
+
+    def queue_write(self, req: EngineRequest) -> None:
+        """Queue the prompt's new full chunks (once per request; call when its first token is sampled)."""
+        if not self.enabled or not self.write or req.store_queued:
+            return
+        req.store_queued = True
+        n = (req.prompt_len // self.store.chunk_size) * self.store.chunk_size
+        # A cached prefix this long was written when it was first computed (or came from the store).
+        if n == 0 or n <= req.num_cached_tokens:
+            return
+        req.store_done = asyncio.get_running_loop().create_future()
+        self._queued.append(req)
+
+    def free_runner_state(self, req: EngineRequest) -> None:
+        """Free ``req``'s runner state now, or after its queued prompt KV has been exported."""
+        if req in self._queued:
+            self._deferred_free.append(req.seq)
+        else:
+            self.runner.free(req.seq)
+
+    def flush(self) -> None:
+        """Export queued prompts' KV into background writes; then free deferred runner state."""
+        queued, self._queued = self._queued, []
+        for req in queued:
+            n = (req.prompt_len // self.store.chunk_size) * self.store.chunk_size
+            kv = self.runner.export_kv(req.seq, 0, n)
+            done = req.store_done
+            assert done is not None, "queued store write without its future"
+            if kv is None:
+                done.set_result(None)
+                continue
+            task = asyncio.create_task(
+                self._write(req.seq.token_ids[:n], req.tenant, kv, req.num_cached_tokens, req.role, done)
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        deferred, self._deferred_free = self._deferred_free, []
+        for seq in deferred:
+            self.runner.free(seq)
+
+    async def _write(
+        self,
+        tokens: list[int],
+        tenant: str,
+        kv: np.ndarray,
+        skip: int,
+        role: Role,
+        done: asyncio.Future[None],
+    ) -> None:
+        try:
+            await self.store.store(tokens, tenant, kv, skip)
+            if role is Role.PREFILL:
+                # The decode side reads this KV next: it must have reached every tier.
+                await self.store.drain()
+            self.stats.num_store_writes += 1
+        except Exception:
+            # The store's contract is to absorb tier failures; anything that still escapes is a bug
+            # there, logged loudly, and must not take the engine down.
+            self.stats.num_store_write_failures += 1
+            logger.exception("store write failed")
+        finally:
+            if not done.done():
+                done.set_result(None)
+
+    async def wait(self) -> None:
+        """Wait until the writes started so far reached every store tier."""
+        tasks = list(self._tasks)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await self.store.drain()
+
+    async def close(self) -> None:
+        """Wait for the writes in flight (the store itself is closed by its owner)."""
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
