@@ -163,6 +163,7 @@ class StepScheduler(Generic[R]):
         self._reserve: Allocation = reserve
         self._reserved_blocks = 0
         self._preempted = False
+        self._room_checked = False
 
     # ------------------------------------------------------------------ queue
 
@@ -229,7 +230,8 @@ class StepScheduler(Generic[R]):
 
     def schedule(self, max_steps: int = 1) -> SchedulerOutput[R]:
         """Plan the next step; a decode-only step may stand for up to ``max_steps`` identical ones."""
-        self.make_room()
+        if not self._room_checked:
+            self.make_room()
         out: SchedulerOutput[R] = SchedulerOutput()
         limits = self.limits
         budget = limits.max_num_batched_tokens - self.num_decoding
@@ -286,6 +288,7 @@ class StepScheduler(Generic[R]):
             self._preempt_newest()
         if not self.running:
             self._sync_reservation()
+        self._room_checked = True
 
     def _admit(self, req: R) -> bool:
         """Pin the cached prefix, let the driver load more, reserve the rest; ``False`` if KV is short."""
@@ -328,6 +331,7 @@ class StepScheduler(Generic[R]):
             Requests that reached ``max_output`` and finished, in order.
         """
         self.steps += out.num_steps if num_steps is None else num_steps
+        self._room_checked = False
         finished: list[R] = []
         for req, _start, end in out.prefills:
             if req.alloc is None or req.decoding:
