@@ -85,7 +85,7 @@ def _output_args(p: argparse.ArgumentParser) -> None:
 
 def _resolve_workload(args: argparse.Namespace) -> tuple[Any, Any]:
     from kvmesh.bench.presets import PRESETS
-    from kvmesh.bench.workloads import MooncakeTraceWorkload, load_workload
+    from kvmesh.workload import MooncakeTraceWorkload, load_workload
 
     if args.trace is not None:
         return MooncakeTraceWorkload(args.trace, speedup=args.speedup, max_requests=args.max_requests), None

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvmesh.bench.metrics import QueueSample, RequestResult, Summary, summarize, summarize_stages
-from kvmesh.bench.workloads import RequestSpec, Workload
+from kvmesh.workload import RequestSpec, Workload
 
 ENDPOINT_HEADER = "x-kvmesh-endpoint"
 """Response header in which the router names the engine it picked (recorded when present)."""

@@ -37,11 +37,11 @@ from kvmesh.bench.report import (
     write_json,
 )
 from kvmesh.bench.runner import RunOptions, RunResult
-from kvmesh.bench.workloads import SharedPrefixWorkload
 from kvmesh.fleet import demo_vllm
 from kvmesh.fleet.launcher import EngineKind, Fleet, FleetConfig, SharedTier
 from kvmesh.fleet.process import FleetError
 from kvmesh.fleet.vllm import vllm_unavailable_reason
+from kvmesh.workload import SharedPrefixWorkload
 
 EMULATED_POLICIES = ("random", "load", "approximate", "llmd-precise", "precise")
 """llm-d's four schedulers (its precise weights as ``llmd-precise``) and kvmesh's default."""
