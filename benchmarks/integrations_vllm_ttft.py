@@ -26,7 +26,7 @@ import aiohttp
 from rich.console import Console
 from rich.table import Table
 
-from kvmesh.fleet.demo_vllm import stream_first_token, wait_for_store
+from kvmesh.demo.real_vllm import stream_first_token, wait_for_store
 from kvmesh.fleet.launcher import Fleet, FleetConfig
 
 

@@ -53,11 +53,11 @@ from rich.console import Console
 from rich.table import Table
 
 from kvmesh.bench.compare import served_model
-from kvmesh.bench.metrics import Summary
+from kvmesh.bench.metrics import RunResult, Summary
 from kvmesh.bench.presets import LLMD_KV_CAPACITY, llmd_73_scaled
 from kvmesh.bench.report import make_console
 from kvmesh.bench.route_counts import GENERATION_ROUTES, PREPARATION_ROUTES, num_requests, scrape_route_counts
-from kvmesh.bench.runner import RunOptions, RunResult, run_workload
+from kvmesh.bench.runner import RunOptions, run_workload
 from kvmesh.core.tokens import Tokenizer
 from kvmesh.fleet.launcher import Fleet, FleetConfig
 from kvmesh.fleet.peer_routers import (

@@ -14,7 +14,8 @@ from typing import Literal
 
 import aiohttp
 
-from kvmesh.bench.runner import RunOptions, RunResult, run_workload
+from kvmesh.bench.metrics import RunResult
+from kvmesh.bench.runner import RunOptions, run_workload
 from kvmesh.fleet.launcher import Fleet
 from kvmesh.workload import Workload, shifted
 

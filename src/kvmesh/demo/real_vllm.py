@@ -24,8 +24,9 @@ import aiohttp
 from rich.console import Console
 
 from kvmesh.bench.compare import run_on_fleet
+from kvmesh.bench.metrics import RunResult
 from kvmesh.bench.report import describe_ratio
-from kvmesh.bench.runner import RunOptions, RunResult
+from kvmesh.bench.runner import RunOptions
 from kvmesh.fleet.launcher import Fleet, FleetConfig, SharedTier
 from kvmesh.integrations.store_bridge import StoreBridge
 from kvmesh.workload import SharedPrefixWorkload
