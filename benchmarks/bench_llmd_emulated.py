@@ -34,7 +34,7 @@ from kvmesh.bench.report import (
     write_json,
 )
 from kvmesh.bench.runner import RunOptions
-from kvmesh.fleet.launcher import Fleet, FleetConfig
+from kvmesh.fleet import Fleet, FleetConfig
 
 POLICIES = ("random", "load", "approximate", "precise")
 

@@ -59,7 +59,7 @@ from kvmesh.bench.report import make_console
 from kvmesh.bench.route_counts import GENERATION_ROUTES, PREPARATION_ROUTES, num_requests, scrape_route_counts
 from kvmesh.bench.runner import RunOptions, run_workload
 from kvmesh.core.tokens import Tokenizer
-from kvmesh.fleet.launcher import Fleet, FleetConfig
+from kvmesh.fleet import Fleet, FleetConfig
 from kvmesh.fleet.peer_routers import (
     PEER_EVENTS_TOPIC,
     PEER_ROUTERS,

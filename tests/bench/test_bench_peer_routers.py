@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 
 from kvmesh.bench.route_counts import GENERATION_ROUTES, PREPARATION_ROUTES, num_requests, scrape_route_counts
-from kvmesh.fleet.launcher import Fleet, FleetConfig
+from kvmesh.fleet import Fleet, FleetConfig
 from kvmesh.fleet.peer_routers import (
     PEER_EVENTS_TOPIC,
     PEER_ROUTERS,

@@ -9,7 +9,7 @@ import sys
 import pytest
 from fleet_helpers import pid_alive
 
-from kvmesh.fleet.launcher import Fleet, FleetConfig
+from kvmesh.fleet import Fleet, FleetConfig
 from kvmesh.fleet.process import FleetError, ManagedProcess, tcp_probe, wait_until
 from kvmesh.store.local_server import find_server_binary
 

@@ -11,8 +11,8 @@ import pytest
 
 from kvmesh.bench.compare import compare_policies
 from kvmesh.bench.runner import RunOptions
-from kvmesh.fleet.launcher import Fleet
-from kvmesh.fleet.launcher import FleetConfig as LaunchConfig
+from kvmesh.fleet import Fleet
+from kvmesh.fleet import FleetConfig as LaunchConfig
 from kvmesh.sim.fleet import FleetConfig, simulate
 from kvmesh.sim.report import build_report
 from kvmesh.workload import SharedPrefixWorkload, Stage

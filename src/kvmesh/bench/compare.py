@@ -16,7 +16,7 @@ import aiohttp
 
 from kvmesh.bench.metrics import RunResult
 from kvmesh.bench.runner import RunOptions, run_workload
-from kvmesh.fleet.launcher import Fleet
+from kvmesh.fleet import Fleet
 from kvmesh.workload import Workload, shifted
 
 

@@ -27,7 +27,7 @@ from kvmesh.bench.compare import run_on_fleet
 from kvmesh.bench.metrics import RunResult
 from kvmesh.bench.report import describe_ratio
 from kvmesh.bench.runner import RunOptions
-from kvmesh.fleet.launcher import Fleet, FleetConfig, SharedTier
+from kvmesh.fleet import Fleet, FleetConfig, SharedTier
 from kvmesh.integrations.store_bridge import StoreBridge
 from kvmesh.workload import SharedPrefixWorkload
 

@@ -1,10 +1,11 @@
 """Launches engines, the router and the shared tier on one machine (``kvmesh up``).
 
-``launcher`` (:class:`Fleet`), ``process`` (supervised child processes), ``vllm`` (real vLLM
+``config`` (:class:`FleetConfig`), ``launcher`` (:class:`Fleet`), ``process`` (supervised child processes), ``vllm`` (real vLLM
 replicas) and ``peer_routers`` (other projects' routers in front of a fleet's engines).
 """
 
-from kvmesh.fleet.launcher import EngineHandle, EngineKind, Fleet, FleetConfig, SharedTier, launch, split_args
+from kvmesh.fleet.config import EngineHandle, EngineKind, FleetConfig, SharedTier, split_args
+from kvmesh.fleet.launcher import Fleet, launch
 from kvmesh.fleet.process import FleetError, ManagedProcess
 from kvmesh.fleet.vllm import VllmReplica, vllm_unavailable_reason
 

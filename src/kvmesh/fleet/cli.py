@@ -64,7 +64,8 @@ def _fleet_table(fleet: Any) -> Table:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from kvmesh.fleet.launcher import Fleet, FleetConfig, split_args
+    from kvmesh.fleet.config import FleetConfig, split_args
+    from kvmesh.fleet.launcher import Fleet
     from kvmesh.fleet.process import FleetError
 
     console = Console()

@@ -28,7 +28,7 @@ from typing import Literal
 import aiohttp
 
 from kvmesh.core.net import free_ports
-from kvmesh.fleet.launcher import HOST, EngineHandle
+from kvmesh.fleet.config import HOST, EngineHandle
 from kvmesh.fleet.process import FleetError, ManagedProcess, wait_until
 from kvmesh.fleet.vllm import repo_root
 
