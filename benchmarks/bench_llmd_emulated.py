@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from kvmesh.bench.compare import compare_policies
+from kvmesh.bench.metrics import RunResult
 from kvmesh.bench.presets import llmd_73_scaled
 from kvmesh.bench.report import (
     make_console,
@@ -32,8 +33,8 @@ from kvmesh.bench.report import (
     ratio_lines,
     write_json,
 )
-from kvmesh.bench.runner import RunOptions, RunResult
-from kvmesh.fleet.launcher import Fleet, FleetConfig
+from kvmesh.bench.runner import RunOptions
+from kvmesh.fleet import Fleet, FleetConfig
 
 POLICIES = ("random", "load", "approximate", "precise")
 

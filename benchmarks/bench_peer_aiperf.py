@@ -33,7 +33,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.core.models import resolve_model
-from kvmesh.fleet.launcher import Fleet, FleetConfig
+from kvmesh.fleet import Fleet, FleetConfig
 
 AIPERF_EXPORT = "profile_export_aiperf.json"
 

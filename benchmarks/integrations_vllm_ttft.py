@@ -26,8 +26,8 @@ import aiohttp
 from rich.console import Console
 from rich.table import Table
 
-from kvmesh.fleet.demo_vllm import stream_first_token, wait_for_store
-from kvmesh.fleet.launcher import Fleet, FleetConfig
+from kvmesh.demo.real_vllm import stream_first_token, wait_for_store
+from kvmesh.fleet import Fleet, FleetConfig
 
 
 def prompt_ids(seed: int, num_tokens: int) -> list[int]:

@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,14 +34,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvmesh.core.net import free_port
+
 SGLANG_ROUTER_VERSION = "0.3.2"
 MODEL = "bench-model"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------------------- backend

@@ -18,21 +18,16 @@ import json
 import os
 import random
 import selectors
-import socket
 import subprocess
 import sys
 import time
 from typing import Any
 
+from kvmesh.core.net import free_port
+
 PREFIX = 256
 SUFFIX = 20
 POLICIES = ("precise", "approximate", "load", "round-robin", "random")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_engines(n: int) -> list[tuple[subprocess.Popen[bytes], str]]:

@@ -53,14 +53,13 @@ from rich.console import Console
 from rich.table import Table
 
 from kvmesh.bench.compare import served_model
-from kvmesh.bench.metrics import Summary
+from kvmesh.bench.metrics import RunResult, Summary
 from kvmesh.bench.presets import LLMD_KV_CAPACITY, llmd_73_scaled
 from kvmesh.bench.report import make_console
 from kvmesh.bench.route_counts import GENERATION_ROUTES, PREPARATION_ROUTES, num_requests, scrape_route_counts
-from kvmesh.bench.runner import RunOptions, RunResult, run_workload
-from kvmesh.bench.workloads import MultiTurnWorkload, SharedPrefixWorkload, Stage, Workload, synthetic_text
+from kvmesh.bench.runner import RunOptions, run_workload
 from kvmesh.core.tokens import Tokenizer
-from kvmesh.fleet.launcher import Fleet, FleetConfig
+from kvmesh.fleet import Fleet, FleetConfig
 from kvmesh.fleet.peer_routers import (
     PEER_EVENTS_TOPIC,
     PEER_ROUTERS,
@@ -71,6 +70,7 @@ from kvmesh.fleet.peer_routers import (
 )
 from kvmesh.fleet.process import FleetError
 from kvmesh.router.scheduler import PRESET_NAMES
+from kvmesh.workload import MultiTurnWorkload, SharedPrefixWorkload, Stage, Workload, synthetic_text
 
 EMULATE = "qwen3-32b-h100-tp2"
 NUM_ENGINES = 8

@@ -20,9 +20,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvmesh.bench.workloads import MooncakeTraceWorkload, SharedPrefixWorkload, Stage, Workload
 from kvmesh.sim.fleet import FleetConfig, simulate
 from kvmesh.sim.report import SimReport, build_report
+from kvmesh.workload import MooncakeTraceWorkload, SharedPrefixWorkload, Stage, Workload
 
 MODEL = "llama-3.1-8b-h100"
 

@@ -33,10 +33,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvmesh.bench.workloads import MooncakeTraceWorkload, MultiTurnWorkload, Workload
 from kvmesh.sim.fleet import FleetConfig, simulate
 from kvmesh.sim.presets import LLMD_73
 from kvmesh.sim.report import SimReport, build_report
+from kvmesh.workload import MooncakeTraceWorkload, MultiTurnWorkload, Workload
 
 TRACES = Path(__file__).with_name("traces")
 BASELINES = ("load", "llmd-precise", "approximate")

@@ -14,8 +14,8 @@ import argparse
 import json
 import time
 
-from kvmesh.bench.workloads import SharedPrefixWorkload, Stage
 from kvmesh.sim.fleet import FleetConfig, FleetSimulation
+from kvmesh.workload import SharedPrefixWorkload, Stage
 
 
 def main() -> None:

@@ -36,9 +36,9 @@ def _peak_rss_mb() -> float:
 
 def _run_policy(opts: dict[str, Any], policy: str, out: Any) -> None:
     """One policy, in its own process: progress messages, then ``("result", dict)``."""
-    from kvmesh.bench.workloads import MooncakeTraceWorkload
     from kvmesh.sim.fleet import FleetConfig, FleetSimulation
     from kvmesh.sim.report import build_report
+    from kvmesh.workload import MooncakeTraceWorkload
 
     rss_start = _peak_rss_mb()
     workload = MooncakeTraceWorkload(

@@ -1,6 +1,6 @@
 """The ``kvmesh`` command.
 
-Each pillar registers its own subcommands from ``kvmesh.<pillar>.cli`` through a ``register``
+Each package registers its own subcommands from ``kvmesh.<package>.cli`` through a ``register``
 function; handlers import their heavy dependencies (torch, transformers) only when they run.
 """
 
@@ -17,6 +17,7 @@ _COMMAND_MODULES = (
     "kvmesh.engine.cli",
     "kvmesh.router.cli",
     "kvmesh.fleet.cli",
+    "kvmesh.demo.cli",
     "kvmesh.bench.cli",
     "kvmesh.sim.cli",
 )

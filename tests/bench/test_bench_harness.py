@@ -9,7 +9,7 @@ import pytest
 
 from kvmesh.bench.compare import compare_policies, served_model
 from kvmesh.bench.runner import RunOptions, run_workload
-from kvmesh.bench.workloads import MooncakeTraceWorkload, MultiTurnWorkload, SharedPrefixWorkload, Stage
+from kvmesh.workload import MooncakeTraceWorkload, MultiTurnWorkload, SharedPrefixWorkload, Stage
 
 TINY_VOCAB = 256  # ids stay below the tiny byte-level tokenizer's vocabulary
 

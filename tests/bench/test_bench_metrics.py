@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvmesh.bench.metrics import Dist, QueueSample, RequestResult, summarize, summarize_stages
+from kvmesh.bench.metrics import Dist, QueueSample, RequestResult, RunResult, summarize, summarize_stages
 from kvmesh.bench.report import (
     compare_table,
     plot_stage_curves,
@@ -15,7 +15,7 @@ from kvmesh.bench.report import (
     summary_table,
     write_json,
 )
-from kvmesh.bench.runner import RunResult, parse_queue_metrics
+from kvmesh.bench.runner import parse_queue_metrics
 
 
 def _r(i: int, stage: int, send: float, ttft: float, gaps: list[float], **kw) -> RequestResult:

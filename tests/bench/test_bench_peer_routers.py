@@ -18,8 +18,7 @@ import pytest
 import pytest_asyncio
 
 from kvmesh.bench.route_counts import GENERATION_ROUTES, PREPARATION_ROUTES, num_requests, scrape_route_counts
-from kvmesh.bench.workloads import synthetic_text
-from kvmesh.fleet.launcher import Fleet, FleetConfig
+from kvmesh.fleet import Fleet, FleetConfig
 from kvmesh.fleet.peer_routers import (
     PEER_EVENTS_TOPIC,
     PEER_ROUTERS,
@@ -27,6 +26,7 @@ from kvmesh.fleet.peer_routers import (
     peer_unavailable_reason,
     start_peer_router,
 )
+from kvmesh.workload import synthetic_text
 
 pytestmark = pytest.mark.slow
 

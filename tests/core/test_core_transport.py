@@ -9,6 +9,7 @@ import pytest
 
 from kvmesh.core.event_transport import ZmqEventPublisher, ZmqEventSubscriber
 from kvmesh.core.events import BlockStored, KVEventBatch
+from kvmesh.core.net import free_port
 from kvmesh.core.types import PodId
 
 
@@ -115,11 +116,7 @@ PUBLISHER_SCRIPT = textwrap.dedent(
 
 
 def free_tcp_endpoint() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def start_publisher(endpoint: str, replay: str, count: int, first: int) -> subprocess.Popen[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import subprocess
 import time
 import tomllib
@@ -17,6 +16,7 @@ import pytest
 from deploy_paths import DEPLOY, REPO
 
 from kvmesh.core.models import resolve_model
+from kvmesh.core.net import free_port
 from kvmesh.core.tokens import Tokenizer
 from kvmesh.engine.app import EngineOptions, build_engine
 
@@ -91,9 +91,7 @@ def test_the_image_builds_and_its_router_serves(tmp_path: Path) -> None:
     tag = f"kvmesh-test:{uuid.uuid4().hex[:8]}"
     subprocess.run(["docker", "build", "-t", tag, str(REPO)], check=True, timeout=1800)
     name = f"kvmesh-test-{uuid.uuid4().hex[:8]}"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        engine_port = s.getsockname()[1]
+    engine_port = free_port()
     # an emulated engine and a router, both from the image, on the host network
     common = ["docker", "run", "-d", "--rm", "--network", "host"]
     engine = subprocess.run(
@@ -102,9 +100,7 @@ def test_the_image_builds_and_its_router_serves(tmp_path: Path) -> None:
          "--host", "127.0.0.1", "--port", str(engine_port), "--events", "tcp://127.0.0.1:0"],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        router_port = s.getsockname()[1]
+    router_port = free_port()
     router = subprocess.run(
         [*common, "--name", f"{name}-router", tag, "router", "--host", "127.0.0.1", "--port", str(router_port),
          "--endpoints", f"http://127.0.0.1:{engine_port}", "--tokenizer", "/opt/kvmesh/models/smollm2"],

@@ -81,3 +81,37 @@ def test_bad_messages_are_request_errors(tiny_tok: Tokenizer) -> None:
         tiny_tok.apply_chat_template([{"role": "user", "content": "a"}, {"content": "b"}])
     with pytest.raises(RequestError, match="chat template failed"):
         tiny_tok.apply_chat_template([{"role": "user"}])
+    with pytest.raises(RequestError, match="chat template failed"):
+        tiny_tok.apply_chat_template([{"role": "user", "content": 5}])  # the template's TypeError
+
+
+class _BrokenTemplateCall:
+    """A tokenizer whose chat-template call fails in kvmesh's own code, not in a template."""
+
+    chat_template = "{{ messages }}"
+    eos_token_id = 0
+
+    def __len__(self) -> int:
+        return 1
+
+    def apply_chat_template(self, *args: object, **kwargs: object) -> str:
+        raise TypeError("unexpected keyword argument")
+
+
+def test_a_type_error_outside_the_template_is_not_a_request_error() -> None:
+    tok = Tokenizer(_BrokenTemplateCall(), name="broken")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        tok.render_chat([{"role": "user", "content": "hi"}])
+
+
+def test_loading_leaves_the_process_environment_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from kvmesh.core.models import resolve_model
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    before = dict(os.environ)
+    tok = Tokenizer.from_dir(resolve_model("tiny-random-llama").path)
+    assert tok.encode("hi") == [74, 75]
+    assert dict(os.environ) == before

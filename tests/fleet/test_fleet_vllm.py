@@ -49,7 +49,7 @@ def test_store_namespace_matches_the_connector_key_layout(tmp_path: Path) -> Non
 
 
 def test_router_of_kvmesh_engines_tokenizes_with_their_model(tmp_path: Path) -> None:
-    from kvmesh.fleet.launcher import Fleet, FleetConfig
+    from kvmesh.fleet import Fleet, FleetConfig
 
     argv = Fleet(FleetConfig(num_engines=2, model="smollm2", run_dir=tmp_path))._router_argv(
         8080, "precise", None

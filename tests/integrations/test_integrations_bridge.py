@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvmesh.core.hashing import Namespace
+from kvmesh.core.net import free_port
 from kvmesh.integrations.store_bridge import StoreBridge
 from kvmesh.store.config import StoreConfig
 
@@ -62,14 +63,6 @@ def black_hole() -> Iterator[BlackHole]:
         server.close()
 
 
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def test_save_lookup_retrieve_round_trip(tmp_path: Path) -> None:
     config = StoreConfig(chunk_size=32, shared_dir=str(tmp_path))
     tokens = list(range(1000, 1100))
@@ -105,7 +98,7 @@ def test_save_rejects_misshapen_kv() -> None:
 
 
 def test_dead_store_is_a_miss() -> None:
-    config = StoreConfig(chunk_size=32, local_cpu=False, remote_url=f"redis://127.0.0.1:{_closed_port()}/0")
+    config = StoreConfig(chunk_size=32, local_cpu=False, remote_url=f"redis://127.0.0.1:{free_port()}/0")
     with StoreBridge(config, lookup_timeout_s=2.0, retrieve_timeout_s=2.0) as bridge:
         tokens = list(range(64))
         assert bridge.lookup(tokens, NS) == 0

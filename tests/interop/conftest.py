@@ -14,7 +14,8 @@ import pytest
 from interop_helpers import LiveVllm, stop, wait_healthy
 
 from kvmesh.core.models import resolve_model
-from kvmesh.fleet.process import ManagedProcess, free_ports
+from kvmesh.core.net import free_ports
+from kvmesh.fleet.process import ManagedProcess
 from kvmesh.fleet.vllm import VllmReplica, vllm_unavailable_reason
 from kvmesh.store.local_server import LocalServer
 

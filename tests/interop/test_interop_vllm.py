@@ -16,7 +16,8 @@ import pytest
 from interop_helpers import LiveVllm, complete, http_json, kvmesh_command, metric, stop
 
 from kvmesh.core.hashing import Namespace
-from kvmesh.fleet.process import ManagedProcess, free_ports
+from kvmesh.core.net import free_ports
+from kvmesh.fleet.process import ManagedProcess
 from kvmesh.integrations.store_bridge import StoreBridge
 from kvmesh.store.local_server import LocalServer
 

@@ -10,7 +10,6 @@ Token-id prompts only (text needs a tokenizer, which the gateway tests inject se
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import time
 from collections import OrderedDict
@@ -23,16 +22,11 @@ from aiohttp import web
 from kvmesh.core.event_transport import ZmqEventPublisher
 from kvmesh.core.events import BlockRemoved, BlockStored
 from kvmesh.core.hashing import BlockHasher, Namespace
+from kvmesh.core.net import free_port
 from kvmesh.core.types import BlockKey
 
 MODEL = "test-model"
 BLOCK = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def engine_hash(key: BlockKey) -> int:

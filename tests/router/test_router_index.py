@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import uuid
 
 import pytest
@@ -11,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
+from kvmesh.core.net import free_port
 from kvmesh.core.types import BlockKey, Medium, PodId
 from kvmesh.errors import TierUnavailableError
 from kvmesh.router.index import (
@@ -196,18 +196,12 @@ def test_redis_ttl_expires_entries(redis_url):
 
 
 def test_redis_unreachable_is_a_typed_error():
-    idx = RedisIndex(f"redis://127.0.0.1:{_closed_port()}/0")
+    idx = RedisIndex(f"redis://127.0.0.1:{free_port()}/0")
     with pytest.raises(TierUnavailableError):
         idx.lookup(keys(1))
     with pytest.raises(TierUnavailableError):
         idx.add(keys(1), A, GPU)
     idx.close()
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 _OPS = st.lists(

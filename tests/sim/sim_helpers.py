@@ -6,7 +6,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from kvmesh.bench.workloads import RequestSpec
+from kvmesh.workload import RequestSpec
 
 
 @dataclass

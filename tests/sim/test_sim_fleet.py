@@ -7,12 +7,12 @@ from typing import Any
 import pytest
 from sim_helpers import ListWorkload, spec, tokens
 
-from kvmesh.bench.workloads import MultiTurnWorkload, SharedPrefixWorkload, Stage
 from kvmesh.engine.cost_model import CostModel, get_preset
 from kvmesh.errors import ConfigError
 from kvmesh.sim.fleet import FleetConfig, FleetSimulation, simulate
 from kvmesh.sim.report import build_report
 from kvmesh.sim.routing import resolve_policy, with_cost_model_prior
+from kvmesh.workload import MultiTurnWorkload, SharedPrefixWorkload, Stage
 
 PRESET = "tiny-h100"
 

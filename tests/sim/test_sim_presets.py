@@ -5,11 +5,11 @@ import dataclasses
 import pytest
 
 from kvmesh.bench.metrics import Dist, Summary
-from kvmesh.bench.workloads import Stage
 from kvmesh.errors import ConfigError
 from kvmesh.sim.fleet import simulate
 from kvmesh.sim.presets import PRESETS, get_scenario
 from kvmesh.sim.report import build_report
+from kvmesh.workload import Stage
 
 
 def test_presets_are_complete():

@@ -7,9 +7,9 @@ import pytest
 from sim_helpers import ListWorkload, spec, tokens
 
 from kvmesh.bench.metrics import Dist
-from kvmesh.bench.workloads import SharedPrefixWorkload, Stage
 from kvmesh.sim.fleet import FleetConfig, simulate
 from kvmesh.sim.report import build_report, weighted_dist
+from kvmesh.workload import SharedPrefixWorkload, Stage
 
 
 def test_weighted_dist_equals_the_pooled_distribution():

@@ -8,13 +8,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvmesh.bench.trace_blocks import BlockTokens, PromptBlocks
-from kvmesh.bench.workloads import MooncakeTraceWorkload, RequestSpec
 from kvmesh.cli import main
 from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
 from kvmesh.sim.fleet import FleetConfig, FleetSimulation, simulate
 from kvmesh.sim.prompt_keys import PromptKeys
 from kvmesh.sim.report import build_report
+from kvmesh.workload import BlockTokens, MooncakeTraceWorkload, PromptBlocks, RequestSpec
 
 
 def trace_rows() -> list[dict]:

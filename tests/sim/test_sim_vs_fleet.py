@@ -11,11 +11,11 @@ import pytest
 
 from kvmesh.bench.compare import compare_policies
 from kvmesh.bench.runner import RunOptions
-from kvmesh.bench.workloads import SharedPrefixWorkload, Stage
-from kvmesh.fleet.launcher import Fleet
-from kvmesh.fleet.launcher import FleetConfig as LaunchConfig
+from kvmesh.fleet import Fleet
+from kvmesh.fleet import FleetConfig as LaunchConfig
 from kvmesh.sim.fleet import FleetConfig, simulate
 from kvmesh.sim.report import build_report
+from kvmesh.workload import SharedPrefixWorkload, Stage
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 

@@ -85,7 +85,7 @@ def _output_args(p: argparse.ArgumentParser) -> None:
 
 def _resolve_workload(args: argparse.Namespace) -> tuple[Any, Any]:
     from kvmesh.bench.presets import PRESETS
-    from kvmesh.bench.workloads import MooncakeTraceWorkload, load_workload
+    from kvmesh.workload import MooncakeTraceWorkload, load_workload
 
     if args.trace is not None:
         return MooncakeTraceWorkload(args.trace, speedup=args.speedup, max_requests=args.max_requests), None
@@ -101,7 +101,7 @@ def _resolve_workload(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def _fleet_config(args: argparse.Namespace, scaled: Any, policy: str) -> Any:
-    from kvmesh.fleet.launcher import FleetConfig, split_args
+    from kvmesh.fleet import FleetConfig, split_args
 
     engine_args = split_args(args.engine_arg)
     emulate = args.emulate or (scaled.emulate if scaled is not None else None)
@@ -150,7 +150,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from kvmesh.bench.compare import run_on_fleet, served_model
     from kvmesh.bench.report import make_console
     from kvmesh.bench.runner import run_workload
-    from kvmesh.fleet.launcher import Fleet
+    from kvmesh.fleet import Fleet
 
     console = make_console()
     workload, scaled = _resolve_workload(args)
@@ -179,7 +179,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_compare(args: argparse.Namespace) -> int:
     from kvmesh.bench.compare import compare_policies
     from kvmesh.bench.report import make_console, ratio_lines
-    from kvmesh.fleet.launcher import Fleet
+    from kvmesh.fleet import Fleet
 
     console = make_console()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

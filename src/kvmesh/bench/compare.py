@@ -14,9 +14,10 @@ from typing import Literal
 
 import aiohttp
 
-from kvmesh.bench.runner import RunOptions, RunResult, run_workload
-from kvmesh.bench.workloads import Workload, shifted
-from kvmesh.fleet.launcher import Fleet
+from kvmesh.bench.metrics import RunResult
+from kvmesh.bench.runner import RunOptions, run_workload
+from kvmesh.fleet import Fleet
+from kvmesh.workload import Workload, shifted
 
 
 async def served_model(base_url: str) -> str | None:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import msgspec
 import numpy as np
 
 
@@ -176,3 +178,33 @@ def summarize_stages(
         rate = rates[k] if rates is not None and k < len(rates) else None
         out.append(summarize([r for r in results if r.stage == k], queue, stage=k, offered_rate=rate))
     return out
+
+
+@dataclass(slots=True)
+class RunResult:
+    """Every request's result, the queue samples, and the summaries derived from them.
+
+    ``summary`` covers the measured stages: every stage but the workload's warm-up ones (listed in
+    ``warmup_stages``), or every request when the run has nothing else.
+    """
+
+    label: str
+    workload: str
+    results: list[RequestResult]
+    queue: list[QueueSample]
+    stage_rates: list[float]
+    summary: Summary
+    stages: list[Summary]
+    warmup_stages: list[int] = field(default_factory=list)
+
+    def to_dict(self, *, include_requests: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "label": self.label,
+            "workload": self.workload,
+            "summary": msgspec.to_builtins(self.summary),
+            "stages": [msgspec.to_builtins(s) for s in self.stages],
+            "warmup_stages": list(self.warmup_stages),
+        }
+        if include_requests:
+            out["requests"] = [msgspec.to_builtins(r) for r in self.results]
+        return out

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from kvmesh.bench.workloads import SharedPrefixWorkload, Stage, Workload
+from kvmesh.workload import SharedPrefixWorkload, Stage, Workload
 
 LLMD_STAGES = [
     Stage(15, 50, warmup=True),
@@ -80,12 +80,29 @@ def llmd_73() -> ScaledRun:
 
 
 SCHEDULERS_DIR = Path(__file__).with_name("schedulers")
-LLMD_SCHEDULERS = {
-    "approximate": str(SCHEDULERS_DIR / "llmd-approximate.yaml"),
+"""Scheduler YAML of llm-d's benchmarks; the simulator's scenarios read the same files."""
+
+LLMD_73_SCHEDULERS: dict[str, str] = {
+    "llmd-precise": "llmd-precise",
+    "approximate": str(SCHEDULERS_DIR / "llmd-73-approximate.yaml"),
     "load": str(SCHEDULERS_DIR / "llmd-load.yaml"),
+    "random": "random",
 }
-"""llm-d's approximate (prefix from routing history + KV utilization + queue, 1:1:1) and load (queue +
-KV utilization) schedulers; precise and random are the router's presets of the same names."""
+"""llm-d's 73-capacity schedulers, per policy a router preset name or a scheduler YAML path: precise
+(prefix from KV events 3, KV utilization 2, queue 2: the router's ``llmd-precise``), approximate
+(prefix from routing history + KV utilization + queue, 1:1:1), load (queue + KV utilization) and
+random."""
+
+LLMD_37_SCHEDULERS: dict[str, str] = {
+    **LLMD_73_SCHEDULERS,
+    "llmd-precise": str(SCHEDULERS_DIR / "llmd-37-precise.yaml"),
+    "approximate": str(SCHEDULERS_DIR / "llmd-37-approximate.yaml"),
+}
+"""llm-d's 37-capacity schedulers: both prefix schedulers weighted 2:1:1 (its README's configs)."""
+
+LLMD_SCHEDULERS = {policy: LLMD_73_SCHEDULERS[policy] for policy in ("approximate", "load")}
+"""What runs on a live fleet pass to the router in place of its presets of the same names; precise and
+random are the router's presets."""
 
 LLMD_SCALED_GROUPS = 40
 LLMD_SCALED_KV_CAPACITY = LLMD_KV_CAPACITY * LLMD_SCALED_GROUPS // 150

@@ -15,8 +15,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvmesh.bench.metrics import Summary
-from kvmesh.bench.runner import RunResult
+from kvmesh.bench.metrics import RunResult, Summary
 
 
 def make_console() -> Console:

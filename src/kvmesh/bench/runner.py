@@ -25,8 +25,8 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvmesh.bench.metrics import QueueSample, RequestResult, Summary, summarize, summarize_stages
-from kvmesh.bench.workloads import RequestSpec, Workload
+from kvmesh.bench.metrics import QueueSample, RequestResult, RunResult, summarize, summarize_stages
+from kvmesh.workload import RequestSpec, Workload
 
 ENDPOINT_HEADER = "x-kvmesh-endpoint"
 """Response header in which the router names the engine it picked (recorded when present)."""
@@ -58,36 +58,6 @@ class RunOptions:
     headers: dict[str, str] = field(default_factory=dict)
     progress: bool = True
     label: str = "run"
-
-
-@dataclass(slots=True)
-class RunResult:
-    """Every request's result, the queue samples, and the summaries derived from them.
-
-    ``summary`` covers the measured stages: every stage but the workload's warm-up ones (listed in
-    ``warmup_stages``), or every request when the run has nothing else.
-    """
-
-    label: str
-    workload: str
-    results: list[RequestResult]
-    queue: list[QueueSample]
-    stage_rates: list[float]
-    summary: Summary
-    stages: list[Summary]
-    warmup_stages: list[int] = field(default_factory=list)
-
-    def to_dict(self, *, include_requests: bool = False) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "label": self.label,
-            "workload": self.workload,
-            "summary": msgspec.to_builtins(self.summary),
-            "stages": [msgspec.to_builtins(s) for s in self.stages],
-            "warmup_stages": list(self.warmup_stages),
-        }
-        if include_requests:
-            out["requests"] = [msgspec.to_builtins(r) for r in self.results]
-        return out
 
 
 def _request_body(spec: RequestSpec, options: RunOptions) -> tuple[str, dict[str, Any]]:

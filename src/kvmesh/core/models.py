@@ -26,7 +26,8 @@ file serializes converters, and each converter writes into a private temporary d
 renamed into place only when complete (``kvmesh-model.json`` is written last). A directory that
 exists under its final name is therefore always whole.
 
-Nothing here downloads: the GGUF comes from an installed package and ``HF_HUB_OFFLINE`` is forced.
+Nothing here downloads: the GGUF comes from an installed package and every load passes
+``local_files_only``; the process environment is left as it is.
 """
 
 from __future__ import annotations
@@ -282,14 +283,8 @@ def _current(path: Path) -> ModelFiles | None:
         return None
 
 
-def _offline() -> None:
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-
 def _convert_smollm2(out: Path) -> ModelFiles:
     """Dequantize the packaged GGUF into ``out`` as float32 safetensors plus tokenizer files."""
-    _offline()
     gguf_path = smollm2_gguf_path()
     try:
         import torch
@@ -373,7 +368,6 @@ def _byte_level_tokenizer() -> Any:
 
 def _build_tiny(out: Path) -> ModelFiles:
     """Write the tiny random Llama (seeded weights) and its byte-level tokenizer into ``out``."""
-    _offline()
     try:
         import torch
         from transformers import LlamaForCausalLM

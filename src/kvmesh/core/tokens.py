@@ -10,7 +10,6 @@ hashes the very token ids the engine will cache. Conventions (vLLM's):
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,10 +38,10 @@ class Tokenizer:
         Raises:
             ModelLoadError: the directory holds no loadable tokenizer.
         """
-        os.environ["HF_HUB_OFFLINE"] = "1"
         try:
             from transformers import AutoTokenizer
 
+            # local_files_only keeps the hub client off the network for this call alone
             hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError, ImportError) as exc:
             raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
@@ -94,11 +93,19 @@ class Tokenizer:
         for i, message in enumerate(messages):
             if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
                 raise RequestError(f"messages[{i}] needs a string 'role'", param="messages")
+        from jinja2 import TemplateError
+
         try:
             text = self._tok.apply_chat_template(
                 [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=False
             )
-        except Exception as exc:  # jinja2 raises its own tree (TemplateError, UndefinedError, ...)
+        except TemplateError as exc:  # UndefinedError, the template's raise_exception, ...
+            raise RequestError(f"chat template failed on these messages: {exc}", param="messages") from exc
+        except TypeError as exc:
+            # a template's own operations on a message of the wrong shape (content 5, or a list where
+            # it concatenates strings); a TypeError from anywhere else is a bug and propagates
+            if not _raised_in_template(exc):
+                raise
             raise RequestError(f"chat template failed on these messages: {exc}", param="messages") from exc
         return str(text)
 
@@ -113,6 +120,16 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """The vocabulary string of one id (special tokens included), e.g. for logprob listings."""
         return str(self._tok.convert_ids_to_tokens(int(token_id)))
+
+
+def _raised_in_template(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while running compiled template code (jinja2 names it ``<template>``)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _eos_ids(hf: Any) -> tuple[int, ...]:

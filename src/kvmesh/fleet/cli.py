@@ -1,4 +1,4 @@
-"""``kvmesh up`` (a local fleet until Ctrl-C) and ``kvmesh demo`` (the one-command demonstration)."""
+"""``kvmesh up``: a local fleet until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
 from rich.table import Table
 
 
@@ -44,24 +45,6 @@ def register(subparsers: Any) -> None:
     up.add_argument("--health-timeout", type=float, default=300.0, help="seconds to wait for each process")
     up.set_defaults(func=_cmd_up)
 
-    demo = subparsers.add_parser("demo", help="real-model fleet and emulated llm-d comparison, end to end")
-    demo.add_argument("--quick", action="store_true", help="about one minute instead of about six")
-    demo.add_argument(
-        "--replicas", type=int, default=None, help="real-model replicas (default 4; 3 with --quick)"
-    )
-    demo.add_argument(
-        "--engine",
-        choices=["vllm", "kvmesh"],
-        default=None,
-        help="real-model replicas: vllm (default where vLLM runs) or the kvmesh reference engine",
-    )
-    demo.add_argument("--skip-real", action="store_true", help="only the emulated llm-d comparison")
-    demo.add_argument("--skip-emulated", action="store_true", help="only the real-model comparison")
-    demo.add_argument("--run-dir", type=Path, default=None, help="logs and shared tier (default: temp dir)")
-    demo.add_argument("--json", dest="json_path", type=Path, default=None, help="write all results here")
-    demo.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
-    demo.set_defaults(func=_cmd_demo)
-
 
 def _fleet_table(fleet: Any) -> Table:
     table = Table(title=f"kvmesh fleet · {fleet.run_dir}")
@@ -81,11 +64,13 @@ def _fleet_table(fleet: Any) -> Table:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from kvmesh.bench.report import make_console
-    from kvmesh.fleet.launcher import Fleet, FleetConfig, split_args
+    from kvmesh.fleet.config import FleetConfig, split_args
+    from kvmesh.fleet.launcher import Fleet
     from kvmesh.fleet.process import FleetError
 
-    console = make_console()
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)  # the fleet table's log paths stay on one line in a file or pipe
     config = FleetConfig(
         num_engines=args.engines,
         model=args.model,
@@ -141,21 +126,3 @@ def _cmd_up(args: argparse.Namespace) -> int:
             await fleet.aclose()
 
     return asyncio.run(main())
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from kvmesh.fleet.demo import DemoOptions, run_demo
-
-    options = DemoOptions(
-        quick=args.quick,
-        replicas=args.replicas,
-        real=not args.skip_real,
-        emulated=not args.skip_emulated,
-        run_dir=args.run_dir,
-        json_path=args.json_path,
-        plot_dir=args.plot_dir,
-        engine=args.engine,
-    )
-    from kvmesh.bench.report import make_console
-
-    return asyncio.run(run_demo(options, make_console()))

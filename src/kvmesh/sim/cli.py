@@ -109,7 +109,7 @@ def _workload(args: argparse.Namespace) -> Any:
     Raises:
         ConfigError: both given, or trace options without a trace.
     """
-    from kvmesh.bench.workloads import MooncakeTraceWorkload, load_workload
+    from kvmesh.workload import MooncakeTraceWorkload, load_workload
 
     if args.trace is None:
         if args.speedup != 1.0 or args.max_requests is not None:

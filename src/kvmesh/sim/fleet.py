@@ -17,8 +17,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.bench.trace_blocks import PromptBlocks
-from kvmesh.bench.workloads import BlockWorkload, RequestSpec, Workload
 from kvmesh.core.types import PodId
 from kvmesh.engine.cost_model import CostModel, CostPreset, get_preset
 from kvmesh.engine.prefix_cache import PrefixCache
@@ -35,6 +33,7 @@ from kvmesh.sim.routing import (
     with_cost_model_prior,
 )
 from kvmesh.sim.tiers import SharedStore, TierStack
+from kvmesh.workload import BlockWorkload, PromptBlocks, RequestSpec, Workload
 
 
 @dataclass(slots=True)

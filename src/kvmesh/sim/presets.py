@@ -13,10 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvmesh.bench.workloads import SharedPrefixWorkload, Stage
+from kvmesh.bench import presets as bench_presets
 from kvmesh.engine.cost_model import CostPreset, get_preset
 from kvmesh.errors import ConfigError
+from kvmesh.router.scheduler import load_scheduler_config
 from kvmesh.sim.fleet import FleetConfig
+from kvmesh.workload import SharedPrefixWorkload, Stage
 
 if TYPE_CHECKING:
     from kvmesh.bench.metrics import Summary
@@ -28,45 +30,11 @@ figures (warm-up stage excluded) averaged, p90 and mean TTFT weighted by each st
 (rate × duration), output throughput unweighted."""
 
 
-def _profile(*refs: tuple[str, float]) -> dict[str, Any]:
-    plugins: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    for name, _ in refs:
-        if name not in seen:
-            entry: dict[str, Any] = {"type": name}
-            if name == "prefix-cache-scorer":
-                entry["parameters"] = {"blockSize": 64, "lruCapacity": 500_000}
-            plugins.append(entry)
-            seen.add(name)
-    plugins.append({"type": "max-score-picker"})
-    return {
-        "plugins": plugins,
-        "schedulingProfiles": [
-            {
-                "name": "default",
-                "plugins": [
-                    *({"pluginRef": n, "weight": w} for n, w in refs),
-                    {"pluginRef": "max-score-picker"},
-                ],
-            }
-        ],
-    }
-
-
 LLMD_SCHEDULERS: dict[str, dict[str, Any]] = {
-    "llmd-precise": _profile(
-        ("precise-prefix-cache-scorer", 3), ("kv-cache-utilization-scorer", 2), ("queue-scorer", 2)
-    ),
-    "approximate": _profile(
-        ("prefix-cache-scorer", 1), ("kv-cache-utilization-scorer", 1), ("queue-scorer", 1)
-    ),
-    "load": _profile(("queue-scorer", 1), ("kv-cache-utilization-scorer", 1)),
-    "random": {
-        "plugins": [{"type": "random-picker"}],
-        "schedulingProfiles": [{"name": "default", "plugins": [{"pluginRef": "random-picker"}]}],
-    },
+    policy: load_scheduler_config(source) for policy, source in bench_presets.LLMD_73_SCHEDULERS.items()
 }
-"""The scorer weights of llm-d's benchmark (precise: prefix 3, KV 2, queue 2; approximate: 1 each)."""
+"""The scorer weights of llm-d's 73-capacity benchmark (precise: prefix 3, KV 2, queue 2; approximate:
+1 each), read from the scheduler files live benchmark runs use (:mod:`kvmesh.bench.presets`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,14 +163,7 @@ LLMD_73 = ScenarioPreset(
 )
 
 LLMD_37_SCHEDULERS: dict[str, dict[str, Any]] = {
-    "llmd-precise": _profile(
-        ("precise-prefix-cache-scorer", 2), ("kv-cache-utilization-scorer", 1), ("queue-scorer", 1)
-    ),
-    "approximate": _profile(
-        ("prefix-cache-scorer", 2), ("kv-cache-utilization-scorer", 1), ("queue-scorer", 1)
-    ),
-    "load": LLMD_SCHEDULERS["load"],
-    "random": LLMD_SCHEDULERS["random"],
+    policy: load_scheduler_config(source) for policy, source in bench_presets.LLMD_37_SCHEDULERS.items()
 }
 """37-capacity's weights: prefix 2, KV 1, queue 1 for both prefix schedulers (its README's configs)."""
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvmesh.bench.trace_blocks import BlockTokens, PromptBlocks
 from kvmesh.core.hashing import BlockHasher
 from kvmesh.core.types import BlockKey
+from kvmesh.workload import BlockTokens, PromptBlocks
 
 DEFAULT_MEMO_PROMPTS = 200_000
 DEFAULT_MEMO_BLOCKS = 32_768

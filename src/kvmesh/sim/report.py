@@ -21,8 +21,15 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvmesh.bench.metrics import Dist, QueueSample, RequestResult, Summary, summarize, summarize_stages
-from kvmesh.bench.runner import RunResult
+from kvmesh.bench.metrics import (
+    Dist,
+    QueueSample,
+    RequestResult,
+    RunResult,
+    Summary,
+    summarize,
+    summarize_stages,
+)
 from kvmesh.sim.fleet import FleetRun
 from kvmesh.sim.ideal_cache import IdealCacheResult
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvmesh.bench.workloads import Stage, Workload
 from kvmesh.errors import ConfigError
 from kvmesh.sim.fleet import FleetConfig, simulate
 from kvmesh.sim.report import SimReport, build_report
+from kvmesh.workload import Stage, Workload
 
 
 @dataclass(slots=True)

@@ -1,7 +1,9 @@
 """Start a throwaway ``redis-server`` or ``valkey-server`` on a loopback ephemeral port.
 
-Used by ``kvmesh store bench`` (when no URL is given) and by the test suite's fixtures. The server
-keeps nothing on disk (no RDB, no AOF) and runs in its own temporary directory.
+Used by ``kvmesh store bench`` (when no URL is given), by the test suite's fixtures and, through
+:func:`find_server_binary` and :func:`server_argv`, by the fleet's shared tier (``kvmesh up --shared
+redis|valkey``), which supervises the same command as one of its processes. The server keeps nothing
+on disk (no RDB, no AOF) and runs in its own directory.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvmesh.core.net import LOOPBACK, free_port
 from kvmesh.errors import KVMeshError
 
 _START_TIMEOUT_S = 10.0
@@ -40,15 +43,40 @@ def find_server_binary(flavor: str) -> str | None:
     raise ValueError(f"unknown server flavor {flavor!r}; expected 'redis' or 'valkey'")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def server_argv(binary: str, port: int, data_dir: str | Path, *, maxmemory_bytes: int = 0) -> list[str]:
+    """The command line of a loopback server that keeps nothing on disk.
+
+    Args:
+        binary: from :func:`find_server_binary`.
+        port: listen on 127.0.0.1 here.
+        data_dir: the server's working directory.
+        maxmemory_bytes: the memory cap (``allkeys-lru`` beyond it); 0 for none.
+    """
+    argv = [
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        LOOPBACK,
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--protected-mode",
+        "no",
+        "--dir",
+        str(data_dir),
+        "--loglevel",
+        "warning",
+    ]
+    if maxmemory_bytes:
+        argv += ["--maxmemory", str(maxmemory_bytes), "--maxmemory-policy", "allkeys-lru"]
+    return argv
 
 
 def _ping(port: int, timeout_s: float = 0.5) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+        with socket.create_connection((LOOPBACK, port), timeout=timeout_s) as sock:
             sock.sendall(b"PING\r\n")
             return sock.recv(64).startswith(b"+PONG")
     except OSError:
@@ -79,7 +107,7 @@ class LocalServer:
         self.flavor = flavor
         self.binary = binary
         self.maxmemory_bytes = maxmemory_bytes
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.extra_args = list(extra_args or [])
         self._dir = tempfile.TemporaryDirectory(prefix=f"kvmesh-{flavor}-")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -87,7 +115,7 @@ class LocalServer:
     @property
     def url(self) -> str:
         scheme = "valkey" if self.flavor == "valkey" else "redis"
-        return f"{scheme}://127.0.0.1:{self.port}/0"
+        return f"{scheme}://{LOOPBACK}:{self.port}/0"
 
     def start(self) -> LocalServer:
         """Start the process and wait until it answers PING.
@@ -95,25 +123,7 @@ class LocalServer:
         Raises:
             KVMeshError: it did not come up within 10 s.
         """
-        args = [
-            self.binary,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--protected-mode",
-            "no",
-            "--dir",
-            self._dir.name,
-            "--loglevel",
-            "warning",
-        ]
-        if self.maxmemory_bytes:
-            args += ["--maxmemory", str(self.maxmemory_bytes), "--maxmemory-policy", "allkeys-lru"]
+        args = server_argv(self.binary, self.port, self._dir.name, maxmemory_bytes=self.maxmemory_bytes)
         args += self.extra_args
         log_path = Path(self._dir.name) / "server.log"
         with open(log_path, "ab") as log:

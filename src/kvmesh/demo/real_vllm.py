@@ -24,11 +24,12 @@ import aiohttp
 from rich.console import Console
 
 from kvmesh.bench.compare import run_on_fleet
+from kvmesh.bench.metrics import RunResult
 from kvmesh.bench.report import describe_ratio
-from kvmesh.bench.runner import RunOptions, RunResult
-from kvmesh.bench.workloads import SharedPrefixWorkload
-from kvmesh.fleet.launcher import Fleet, FleetConfig, SharedTier
+from kvmesh.bench.runner import RunOptions
+from kvmesh.fleet import Fleet, FleetConfig, SharedTier
 from kvmesh.integrations.store_bridge import StoreBridge
+from kvmesh.workload import SharedPrefixWorkload
 
 KV_BLOCKS = 12
 """KV blocks of 128 tokens per replica: two groups' 512-token system prompts plus the requests in

@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvmesh.bench.compare import compare_policies, run_on_fleet
+from kvmesh.bench.metrics import RunResult
 from kvmesh.bench.presets import llmd_73_scaled
 from kvmesh.bench.report import (
     compare_table,
@@ -36,12 +37,12 @@ from kvmesh.bench.report import (
     ratio_lines,
     write_json,
 )
-from kvmesh.bench.runner import RunOptions, RunResult
-from kvmesh.bench.workloads import SharedPrefixWorkload
-from kvmesh.fleet import demo_vllm
-from kvmesh.fleet.launcher import EngineKind, Fleet, FleetConfig, SharedTier
+from kvmesh.bench.runner import RunOptions
+from kvmesh.demo import real_vllm
+from kvmesh.fleet import EngineKind, Fleet, FleetConfig, SharedTier
 from kvmesh.fleet.process import FleetError
 from kvmesh.fleet.vllm import vllm_unavailable_reason
+from kvmesh.workload import SharedPrefixWorkload
 
 EMULATED_POLICIES = ("random", "load", "approximate", "llmd-precise", "precise")
 """llm-d's four schedulers (its precise weights as ``llmd-precise``) and kvmesh's default."""
@@ -304,11 +305,11 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
     t0 = time.monotonic()
     base_dir = options.run_dir or Path(f"/tmp/kvmesh-demo-{int(time.time())}")
     engine, why_not_vllm = resolve_engine(options) if options.real else ("kvmesh", None)
-    num_vllm = demo_vllm.replicas(options.quick, options.replicas)
+    num_vllm = real_vllm.replicas(options.quick, options.replicas)
     if not options.real:
         real_fleets: list[Fleet] = []
     elif engine == "vllm":
-        real_fleets = [Fleet(c) for c in demo_vllm.fleet_configs(num_vllm, base_dir)]
+        real_fleets = [Fleet(c) for c in real_vllm.fleet_configs(num_vllm, base_dir)]
     else:
         console.print(
             f"[yellow]real-model part runs kvmesh's reference engine, not vLLM: {why_not_vllm}[/yellow]"
@@ -325,14 +326,14 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
             await asyncio.gather(*(f.start() for f in fleets))
         console.print(f"[dim]fleets up in {time.monotonic() - t0:.0f} s; logs under {base_dir}[/dim]")
         if real_fleets and engine == "vllm":
-            runs, probe = await demo_vllm.run(
+            runs, probe = await real_vllm.run(
                 console, real_fleets, num_vllm, quick=options.quick, progress=options.progress
             )
-            labels = [label for label, _, _ in demo_vllm.SETUPS]
+            labels = [label for label, _, _ in real_vllm.SETUPS]
             console.print(
                 _real_table(runs, title=f"real vLLM: {num_vllm} replicas (CPU build), SmolLM2-135M")
             )
-            console.print(demo_vllm.explain(runs[labels[0]], runs[labels[1]], probe, num_vllm))
+            console.print(real_vllm.explain(runs[labels[0]], runs[labels[1]], probe, num_vllm))
             all_runs["real"] = runs
             if probe is not None and options.json_path is not None:
                 probe_path = options.json_path.with_name(f"{options.json_path.stem}-probe.json")

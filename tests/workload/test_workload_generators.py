@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmesh.bench.workloads import (
+from kvmesh.errors import ConfigError
+from kvmesh.workload import (
     LengthDist,
     MooncakeTraceWorkload,
     MultiTurnWorkload,
@@ -19,7 +20,6 @@ from kvmesh.bench.workloads import (
     load_workload,
     stage_arrivals,
 )
-from kvmesh.errors import ConfigError
 
 
 def _longest_shared_prefix(tokens: list[int], earlier: list[list[int]]) -> int:
@@ -264,7 +264,7 @@ def test_load_workload_flat_layout_and_errors(tmp_path):
 
 
 def test_shifted_tokens_keep_structure_and_share_no_token():
-    from kvmesh.bench.workloads import shifted
+    from kvmesh.workload import shifted
 
     base = SharedPrefixWorkload(3, 2, 40, 8, 4, stages=[Stage(5, 2)], vocab_size=500, token_low=100)
     a = list(base.requests())
@@ -281,24 +281,6 @@ def test_shifted_tokens_keep_structure_and_share_no_token():
     for s in b:
         first = groups.setdefault(s.group, s.prompt_token_ids)
         assert s.prompt_token_ids[:40] == first[:40]
-
-
-def test_llmd_presets_state_their_scaling():
-    from kvmesh.bench.presets import LLMD_SCALED_KV_CAPACITY, PRESETS
-
-    full = PRESETS["llmd-73"]()
-    assert isinstance(full.workload, SharedPrefixWorkload)
-    assert (full.workload.num_groups, full.workload.system_prompt_len, full.workload.question_len) == (
-        150,
-        6000,
-        1200,
-    )
-    assert len(full.workload.stages or []) == 17
-    scaled = PRESETS["llmd-73-scaled"]()
-    assert scaled.kv_capacity_tokens == LLMD_SCALED_KV_CAPACITY == 307_328 * 40 // 150
-    assert "40 groups" in scaled.description and "20 output tokens" in scaled.description
-    for path in scaled.scheduler_configs.values():
-        assert Path(path).is_file()
 
 
 def test_mooncake_reads_gzip_traces_and_rejects_a_corrupt_one(tmp_path):

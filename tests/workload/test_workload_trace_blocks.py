@@ -7,9 +7,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmesh.bench.trace_blocks import BlockTokens, PromptBlocks, block_token_array
-from kvmesh.bench.workloads import BlockWorkload, MooncakeTraceWorkload, shifted, synthetic_tokens
 from kvmesh.errors import ConfigError
+from kvmesh.workload import (
+    BlockTokens,
+    BlockWorkload,
+    MooncakeTraceWorkload,
+    PromptBlocks,
+    block_token_array,
+    shifted,
+    synthetic_tokens,
+)
 
 
 @settings(max_examples=60, deadline=None)

