@@ -21,7 +21,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvmesh.bench.trace_blocks import PromptBlocks
 from kvmesh.core.events import KVEvent
 from kvmesh.core.types import PodId
 from kvmesh.engine.cost_model import CostModel
@@ -35,6 +34,7 @@ from kvmesh.engine.step_scheduler import (
 )
 from kvmesh.sim.loop import EventLoop
 from kvmesh.sim.tiers import TierStack
+from kvmesh.workload import PromptBlocks
 
 RECOST_STEPS = 64
 """Longest decode run priced at one step time; contexts grow, so longer runs are re-costed."""
