@@ -22,11 +22,12 @@ from kvmesh.core.event_transport import (
     ZmqEventPublisher,
 )
 from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
+from kvmesh.core.tenancy import Role
 from kvmesh.core.tokens import Tokenizer
 from kvmesh.engine.emulated_runner import EmulatedRunner
 from kvmesh.engine.prefix_cache import PrefixCache
 from kvmesh.engine.runner import ModelRunner
-from kvmesh.engine.scheduler import EngineCore, Role, SchedulerConfig
+from kvmesh.engine.scheduler import EngineCore, SchedulerConfig
 from kvmesh.engine.server import EngineServer, ServerConfig
 from kvmesh.engine.store_connector import CacheEngineStore, PrefixStore
 

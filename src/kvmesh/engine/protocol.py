@@ -12,8 +12,8 @@ from typing import Any
 
 import msgspec
 
+from kvmesh.core.tenancy import Role
 from kvmesh.engine.runner import SamplingParams
-from kvmesh.engine.scheduler import Role
 from kvmesh.errors import RequestError
 
 

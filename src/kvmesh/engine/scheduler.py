@@ -27,27 +27,17 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 import numpy as np
 
 from kvmesh.core.event_transport import EventPublisher, NullEventPublisher
+from kvmesh.core.tenancy import Role
 from kvmesh.core.types import BlockKey, Medium
 from kvmesh.engine.prefix_cache import Allocation, PrefixCache
 from kvmesh.engine.runner import ModelRunner, PrefillChunk, SamplingParams, Sequence, StepOutput, StepPlan
 from kvmesh.engine.store_connector import LoadedPrefix, NullPrefixStore, PrefixStore
 
 logger = logging.getLogger(__name__)
-
-
-class Role(StrEnum):
-    """What a request (or an engine) does in prefill/decode disaggregation."""
-
-    BOTH = "both"
-    PREFILL = "prefill"
-    """Compute the prompt's KV, write it to the store, return after one token."""
-    DECODE = "decode"
-    """Load the prompt's KV from the store, then decode."""
 
 
 @dataclass(frozen=True, slots=True)

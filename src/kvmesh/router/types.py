@@ -7,32 +7,10 @@ dataclasses so the fleet simulator can build them in virtual time without any I/
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from kvmesh.core.hashing import Namespace
+from kvmesh.core.tenancy import Role
 from kvmesh.core.types import Medium, PodId
-
-
-class Role(StrEnum):
-    """What an endpoint serves. ``BOTH`` takes whole requests; P/D pools split them."""
-
-    BOTH = "both"
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-    @classmethod
-    def parse(cls, value: str | None) -> Role:
-        """Parse a role name; ``None`` or empty means ``BOTH``.
-
-        Raises:
-            ValueError: an unknown role name.
-        """
-        if not value:
-            return cls.BOTH
-        try:
-            return cls(value.lower())
-        except ValueError as exc:
-            raise ValueError(f"role must be one of both|prefill|decode, got {value!r}") from exc
 
 
 @dataclass(slots=True)
