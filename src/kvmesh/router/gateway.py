@@ -44,11 +44,13 @@ from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.prefill_ledger import PrefillLedger
 from kvmesh.router.prefill_leg import PrefillLeg, decode_body
 from kvmesh.router.proxy import UpstreamProxy
+from kvmesh.router.redis_index import RedisIndex
 from kvmesh.router.replies import error_response, json_response
 from kvmesh.router.request_parser import RequestParser
 from kvmesh.router.scheduler import Scheduler, load_scheduler_config
 from kvmesh.router.tokenize import CachedTokenizer, PromptTokenizer
 from kvmesh.router.types import PrefixMatch, RoutingRequest
+from kvmesh.router.write_behind import WriteBehindIndex
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +92,13 @@ class Gateway:
             index is not None and not isinstance(index, InMemoryIndex)
         )
         """Whether index calls do network I/O (then matching runs on a worker thread)."""
+        self._own_index = self._make_index() if index is None else None
+        backend = index if index is not None else self._own_index
+        assert backend is not None
+        self.writer = WriteBehindIndex(backend) if self.index_is_remote else None
+        """The remote index's background writer (``None`` for the in-process index)."""
         self.index: BlockIndex = InstrumentedIndex(
-            index if index is not None else self._make_index(), self.metrics.registry
+            self.writer if self.writer is not None else backend, self.metrics.registry
         )
         memo_capacity = config.index.key_memo_capacity
         self.memo = BlockKeyMemo(memo_capacity) if memo_capacity > 0 else None
@@ -124,11 +131,9 @@ class Gateway:
         """Prefill work sent to each endpoint and not yet answered, and the pool's learned speed."""
         self.app = self._build_app()
 
-    def _make_index(self) -> BlockIndex:
+    def _make_index(self) -> RedisIndex | InMemoryIndex:
         cfg = self.config.index
         if cfg.backend == "redis":
-            from kvmesh.router.redis_index import RedisIndex
-
             assert cfg.redis_url is not None, "RouterConfig validation lets redis through without a URL"
             return RedisIndex(cfg.redis_url, key_prefix=cfg.key_prefix, ttl_s=cfg.ttl_s)
         return InMemoryIndex(cfg.capacity)
@@ -183,6 +188,8 @@ class Gateway:
             self.discovery = DnsDiscovery(pool, self.config.discovery)
             await self.discovery.refresh()
             self.discovery.start()
+        if self.writer is not None:
+            self.writer.start()
         self.maybe_start_intake()
         pool.start()
 
@@ -194,6 +201,10 @@ class Gateway:
             await self.pool.aclose()
         if self.intake is not None:
             await self.intake.aclose()
+        if self.writer is not None:
+            await asyncio.to_thread(self.writer.close)
+        if isinstance(self._own_index, RedisIndex):
+            self._own_index.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
