@@ -96,7 +96,7 @@ class EventApplier:
         self._block_sizes: dict[PodId, int] = {}
         self._groups = KVGroupSelector(self.stats)
         self._noted: set[tuple[PodId, int, str]] = set()
-        """(pod, block size or group, why) already logged: one line per pod and cause."""
+        """(pod, engine block size, why) already logged: one line per pod and cause."""
         self._namespaces = ChainNamespaces(model, revision, block_size, self.algo)
 
     def namespace(self, lora: str = "", tenant: str = "") -> Namespace:
