@@ -7,8 +7,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from kvmesh.core.tenancy import Role
 from kvmesh.engine.app import EngineOptions, build_engine
-from kvmesh.engine.request import Role
 
 pytestmark = pytest.mark.slow
 

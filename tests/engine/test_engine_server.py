@@ -244,6 +244,11 @@ async def test_tenants_do_not_share_cache(make_engine, http) -> None:
     assert await cached(headers={"x-tenant-id": "globex"}) == 0
     assert await cached() == 0
     assert await cached(extra={"cache_salt": "acme"}) > 0
+    assert await cached(headers={"x-tenant-id": "acme"}, extra={"cache_salt": "acme"}) > 0
+    # the router's rule: a header and a cache_salt naming different tenants is the client's error
+    status, resp = await post(http, url, {**body, "cache_salt": "globex"}, headers={"x-tenant-id": "acme"})
+    assert status == 400
+    assert resp["error"]["param"] == "cache_salt"
 
 
 async def test_disconnecting_stream_frees_its_slot(make_engine, http, eventually) -> None:

@@ -19,10 +19,10 @@ from kvmesh.integrations.connector_config import ConnectorSettings
 from kvmesh.integrations.paged_kv import PagedLayout
 from kvmesh.integrations.vllm import (
     HAS_VLLM,
+    ConnectorRole,
     KVMeshConnector,
     KVMeshConnectorMetadata,
     ModelKVFormat,
-    Role,
     model_kv_format,
 )
 
@@ -77,8 +77,8 @@ class Replica:
     def __init__(self, extra: dict[str, Any], layout: PagedLayout, num_blocks: int = 12) -> None:
         config = make_vllm_config(extra)
         self.layout = layout
-        self.scheduler = KVMeshConnector(config, Role.SCHEDULER)
-        self.worker = KVMeshConnector(config, Role.WORKER)
+        self.scheduler = KVMeshConnector(config, ConnectorRole.SCHEDULER)
+        self.worker = KVMeshConnector(config, ConnectorRole.WORKER)
         self.layers = paged_cache(layout, fill=5.0, num_blocks=num_blocks)
         self.worker.register_kv_caches(
             {f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(self.layers)}
@@ -229,7 +229,7 @@ def test_dead_store_means_no_external_tokens() -> None:
 
 def test_worker_rejects_caches_that_do_not_match_the_model(fleet_dir: str) -> None:
     config = make_vllm_config({"store": fleet_dir})
-    worker = KVMeshConnector(config, Role.WORKER)
+    worker = KVMeshConnector(config, ConnectorRole.WORKER)
     try:
         with pytest.raises(ValueError, match="the model says"):
             worker.register_kv_caches({"l0": paged_cache(PagedLayout.KV_FIRST, num_layers=1)[0]})

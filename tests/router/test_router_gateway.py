@@ -400,6 +400,37 @@ async def test_two_router_replicas_share_a_redis_index(engines, redis_url):
         assert stats.backend == "redis" and stats.num_keys >= 10
 
 
+async def test_a_redis_index_is_never_called_from_the_event_loop(engines, redis_url, monkeypatch):
+    import threading
+    import uuid
+
+    from kvmesh.router.redis_index import RedisIndex
+
+    callers: dict[str, set[str]] = {"write_batch": set(), "lookup": set(), "clear_pod": set()}
+    for name in callers:
+        original = getattr(RedisIndex, name)
+
+        def spy(self, *args, _name=name, _original=original, **kwargs):
+            callers[_name].add(threading.current_thread().name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(RedisIndex, name, spy)
+    es = await engines(2)
+    index = {"backend": "redis", "redisUrl": redis_url, "keyPrefix": f"loop{uuid.uuid4().hex[:8]}:"}
+    async with gateway_client(es, index=index) as (gw, client):
+        resp, _ = await completion(client, PROMPT)
+        holder = resp.headers[ENDPOINT_HEADER]
+        await wait_for(lambda: gw.applier is not None and gw.applier.num_blocks(holder) == 10)  # type: ignore[arg-type]
+        await wait_for(lambda: gw.writer is not None and gw.writer.num_pending == 0)
+        resp, body = await completion(client, PROMPT + [1] * 16)
+        assert resp.headers[ENDPOINT_HEADER] == holder
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 160
+    loop_thread = threading.current_thread().name
+    assert callers["write_batch"] == {"kvmesh-index-writer"}
+    assert callers["lookup"] and loop_thread not in callers["lookup"]
+    assert loop_thread not in callers["clear_pod"]
+
+
 async def test_vllm_pod_without_info_uses_configured_event_endpoints(engines):
     (e,) = await engines(1)
     assert e.publisher is not None

@@ -23,6 +23,7 @@ from kvmesh.router.index import (
     medium_set,
 )
 from kvmesh.router.redis_index import RedisIndex
+from kvmesh.router.write_behind import WriteBehindIndex
 
 GPU = medium_set(Medium.GPU)
 CPU = medium_set(Medium.CPU)
@@ -33,7 +34,7 @@ def keys(n: int, tag: str = "k") -> list[BlockKey]:
     return [BlockKey(f"{tag}{i:014d}".encode()[:16].ljust(16, b"_")) for i in range(n)]
 
 
-@pytest.fixture(params=["memory", "unbounded", "instrumented", "redis"])
+@pytest.fixture(params=["memory", "unbounded", "instrumented", "redis", "write-behind-redis"])
 def index(request):
     if request.param == "memory":
         yield InMemoryIndex(1000)
@@ -44,7 +45,13 @@ def index(request):
     else:
         url = request.getfixturevalue("redis_url")
         idx = RedisIndex(url, key_prefix=f"t{uuid.uuid4().hex[:8]}:")
-        yield idx
+        if request.param == "redis":
+            yield idx
+        else:
+            writer = WriteBehindIndex(idx)
+            writer.start()
+            yield writer
+            writer.close()
         idx.close()
 
 
@@ -106,15 +113,18 @@ def test_remove_unknown_is_ignored_and_idempotent(index):
 
 
 def test_clear_pod_drops_only_that_pod(index):
+    def dropped(n: int) -> int | None:
+        return None if isinstance(index, WriteBehindIndex) else n  # counted later, in the background
+
     ks = keys(5)
     index.add(ks, A, GPU)
     index.add(ks[:3], B, medium_set(Medium.GPU, Medium.CPU))
-    assert index.clear_pod(B) == 3
+    assert index.clear_pod(B) == dropped(3)
     got = index.lookup(ks)
     assert len(got) == 5 and all(h == {A: GPU} for h in got)
-    assert index.clear_pod(A) == 5
+    assert index.clear_pod(A) == dropped(5)
     assert index.lookup(ks) == []
-    assert index.clear_pod(C) == 0
+    assert index.clear_pod(C) == dropped(0)
 
 
 def test_stats_count_keys_and_entries(index):
@@ -266,4 +276,17 @@ def test_redis_index_matches_reference_model(redis_url, ops):
     try:
         _check_against_model(idx, ops)
     finally:
+        idx.close()
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_OPS)
+def test_write_behind_redis_index_matches_reference_model(redis_url, ops):
+    idx = RedisIndex(redis_url, key_prefix=f"w{uuid.uuid4().hex[:10]}:")
+    writer = WriteBehindIndex(idx)
+    writer.start()
+    try:
+        _check_against_model(writer, ops)
+    finally:
+        writer.close()
         idx.close()

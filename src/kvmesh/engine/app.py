@@ -22,11 +22,11 @@ from kvmesh.core.event_transport import (
     ZmqEventPublisher,
 )
 from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
+from kvmesh.core.tenancy import Role
 from kvmesh.core.tokens import Tokenizer
 from kvmesh.engine.core import EngineCore, SchedulerConfig
 from kvmesh.engine.emulated_runner import EmulatedRunner
 from kvmesh.engine.prefix_cache import PrefixCache
-from kvmesh.engine.request import Role
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.server import EngineServer, ServerConfig
 from kvmesh.engine.store_connector import CacheEngineStore, PrefixStore

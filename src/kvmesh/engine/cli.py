@@ -81,8 +81,8 @@ def _run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from kvmesh.core.event_transport import DEFAULT_TOPIC
+    from kvmesh.core.tenancy import Role
     from kvmesh.engine.app import EngineOptions, build_engine
-    from kvmesh.engine.request import Role
     from kvmesh.errors import KVMeshError
 
     opts = EngineOptions(

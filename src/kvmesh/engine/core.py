@@ -21,9 +21,10 @@ import time
 from dataclasses import dataclass
 
 from kvmesh.core.event_transport import EventPublisher, NullEventPublisher
+from kvmesh.core.tenancy import Role
 from kvmesh.core.types import Medium
 from kvmesh.engine.prefix_cache import PrefixCache
-from kvmesh.engine.request import EngineRequest, EngineStats, RequestOutput, Role
+from kvmesh.engine.request import EngineRequest, EngineStats, RequestOutput
 from kvmesh.engine.runner import ModelRunner, PrefillChunk, StepOutput, StepPlan
 from kvmesh.engine.step_scheduler import BatchLimits, Release, SchedulerOutput, StepScheduler
 from kvmesh.engine.store_connector import PrefixStore

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from kvmesh.engine.request import Role
+from kvmesh.core.tenancy import Role
 from kvmesh.engine.runner import SamplingParams
 from kvmesh.errors import RequestError
 

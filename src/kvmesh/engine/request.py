@@ -6,23 +6,13 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 import numpy as np
 
+from kvmesh.core.tenancy import Role
 from kvmesh.engine.runner import SamplingParams, Sequence
 from kvmesh.engine.step_scheduler import ScheduledRequest
 from kvmesh.engine.store_connector import LoadedPrefix
-
-
-class Role(StrEnum):
-    """What a request (or an engine) does in prefill/decode disaggregation."""
-
-    BOTH = "both"
-    PREFILL = "prefill"
-    """Compute the prompt's KV, write it to the store, return after one token."""
-    DECODE = "decode"
-    """Load the prompt's KV from the store, then decode."""
 
 
 @dataclass(slots=True)

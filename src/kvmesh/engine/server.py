@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from kvmesh.core.tenancy import Role, resolve_tenant
 from kvmesh.core.tokens import Tokenizer
 from kvmesh.engine.core import EngineCore
 from kvmesh.engine.detokenizer import StopMatcher, StreamDetokenizer
@@ -49,7 +50,7 @@ from kvmesh.engine.protocol import (
     sampling_params,
     stop_strings,
 )
-from kvmesh.engine.request import EngineRequest, Role
+from kvmesh.engine.request import EngineRequest
 from kvmesh.errors import RequestError
 
 logger = logging.getLogger(__name__)
@@ -200,13 +201,6 @@ class EngineServer:
             )
 
     @staticmethod
-    def _tenant(request: web.Request, cache_salt: str | None) -> str:
-        header = request.headers.get("x-tenant-id", "").strip()
-        if header:
-            return header
-        return cache_salt or ""
-
-    @staticmethod
     def _client_gone(request: web.Request) -> bool:
         transport = request.transport
         return transport is None or transport.is_closing()
@@ -250,7 +244,7 @@ class EngineServer:
         if role is Role.PREFILL:
             for p in params:
                 p.max_tokens = 1
-        tenant = self._tenant(request, body.cache_salt)
+        tenant = resolve_tenant(request.headers, body.cache_salt)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         choices: list[_Choice] = []
         try:

@@ -14,8 +14,9 @@ import logging
 
 import numpy as np
 
+from kvmesh.core.tenancy import Role
 from kvmesh.engine.prefix_cache import PrefixCache
-from kvmesh.engine.request import EngineRequest, EngineStats, Role
+from kvmesh.engine.request import EngineRequest, EngineStats
 from kvmesh.engine.runner import ModelRunner, Sequence
 from kvmesh.engine.store_connector import LoadedPrefix, NullPrefixStore, PrefixStore
 

@@ -89,7 +89,7 @@ except ImportError:
             return self._connector_metadata
 
 
-class Role(enum.Enum):
+class ConnectorRole(enum.Enum):
     """The connector roles, for driving the connector without vLLM (vLLM passes its own enum;
     the connector does not depend on the role: each side uses only its own methods)."""
 

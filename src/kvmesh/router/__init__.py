@@ -3,7 +3,8 @@
 Pieces, each usable alone (the fleet simulator drives the index and scheduler in virtual time)::
 
     events ─► intake (ZMQ subscriber) ─► ingest (re-hash tokens) ─► index (block → pods × tiers)
-    request ─► gateway (tokenize) ─► scheduler (filters → scorers → picker) ─► endpoint
+    request ─► gateway (request_parser: validate, tenant, u32 ids) ─► scheduler (match, filters →
+               scorers → picker) ─► [prefill_leg] ─► proxy ─► endpoint
 """
 
 from kvmesh.router.discovery import DnsDiscovery, DnsDiscoveryConfig
@@ -17,6 +18,7 @@ from kvmesh.router.prefix import match_prefix
 from kvmesh.router.redis_index import RedisIndex
 from kvmesh.router.scheduler import Scheduler, load_scheduler_config
 from kvmesh.router.types import Decision, EndpointState, PodMatch, PrefixMatch, Role, RoutingRequest
+from kvmesh.router.write_behind import WriteBehindIndex
 
 __all__ = [
     "BlockIndex",
@@ -41,6 +43,7 @@ __all__ = [
     "Role",
     "RoutingRequest",
     "Scheduler",
+    "WriteBehindIndex",
     "load_scheduler_config",
     "match_prefix",
 ]

@@ -53,7 +53,8 @@ def _cmd_router(args: argparse.Namespace) -> int:
     import yaml
     from aiohttp import web
 
-    from kvmesh.router.gateway import Gateway, PromptTokenizer
+    from kvmesh.router.gateway import Gateway
+    from kvmesh.router.tokenize import PromptTokenizer
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

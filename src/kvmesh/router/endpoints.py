@@ -29,9 +29,10 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 
+from kvmesh.core.tenancy import Role
 from kvmesh.core.types import PodId
 from kvmesh.errors import ConfigError
-from kvmesh.router.types import EndpointState, Role
+from kvmesh.router.types import EndpointState
 
 logger = logging.getLogger(__name__)
 

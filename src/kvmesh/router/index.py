@@ -11,7 +11,8 @@ is a walk down the chain that stops at the first block nobody holds.
 Every backend implements :class:`BlockIndex` (five methods). :class:`InMemoryIndex` is the default:
 an LRU-bounded ordered dict mutated only from the event loop (no locks).
 :class:`InstrumentedIndex` wraps any backend with Prometheus counters. The Redis backend lives in
-:mod:`kvmesh.router.redis_index`.
+:mod:`kvmesh.router.redis_index`; :class:`~kvmesh.router.write_behind.WriteBehindIndex` moves a
+remote backend's writes off the event loop.
 """
 
 from __future__ import annotations
@@ -105,11 +106,12 @@ class BlockIndex(Protocol):
         """
         ...
 
-    def clear_pod(self, pod: PodId) -> int:
+    def clear_pod(self, pod: PodId) -> int | None:
         """Drop every block ``pod`` holds (its cache was cleared or its publisher restarted).
 
         Returns:
-            How many (key, pod) entries were dropped.
+            How many (key, pod) entries were dropped; ``None`` from a backend that drops them in
+            the background (the number is not known when the call returns).
         """
         ...
 
@@ -268,7 +270,7 @@ class InstrumentedIndex:
         self._lk_keys.inc(len(result))
         return result
 
-    def clear_pod(self, pod: PodId) -> int:
+    def clear_pod(self, pod: PodId) -> int | None:
         self._clear_ops.inc()
         return self.inner.clear_pod(pod)
 

@@ -12,31 +12,13 @@ That map serves three purposes:
 * BlockRemoved events (which carry no tokens) name our keys;
 * BlockStored events for offload tiers that carry no tokens add a tier to known blocks.
 
-The namespace of a chain comes from its first block: model (fixed per applier), ``lora_name`` and
-the tenant salt found in ``extra_keys`` of block 0 (vLLM's ``cache_salt`` travels the same way).
+The namespace of a chain comes from its first block (:mod:`kvmesh.router.chain_namespaces`).
 Each pod's map is bounded; when it overflows, the oldest blocks leave the index too, so the
 router never keeps an entry it could no longer remove.
 
-Engine block size. Each pod's block size is learned from its BlockStored events
-(:meth:`EventApplier.pod_block_size`). A pod whose blocks are ``k`` times the router's (vLLM on CPU
-uses 128 tokens, the router 16) has each engine block re-hashed into ``k`` router blocks::
-
-    engine hash ──► (last sub-key, namespace id, MediumSet)     as above: chains continue from it
-    engine hash ──► (sub-key 0, ..., sub-key k-1)                only for such expanded blocks
-
-so the index holds router-granularity keys only and prompt matching is unchanged. A prompt that
-leaves a cached prefix inside such an engine block matches up to ``k - 1`` sub-keys more than the
-engine can reuse; :meth:`EventApplier.align_match` rounds each pod's match down to its own block
-boundaries (exactly its real reuse). A block size the router's does not divide cannot be keyed:
-those events are counted (``num_block_size_mismatch``) and one warning per pod names the router
-block size that would fix it.
-
-KV cache groups. vLLM announces the same tokens once per KV cache group (hybrid models: sliding
-window, Mamba, full attention, ...) and tags events with ``group_idx`` and, from 0.32,
-``kv_cache_spec_kind``. Only full-prefix kinds (full attention, MLA, sink full attention; untagged
-events count as full attention) describe a reusable prefix, and one such group is enough: each pod
-indexes its lowest full-attention group and skips the others (``num_skipped_groups``), removals
-included, so the engine-hash map never mixes groups (whose hashes are equal for equal tokens).
+Engine blocks larger than the router's are re-hashed into router blocks
+(:mod:`kvmesh.router.engine_blocks`), and of a hybrid model's KV cache groups one is indexed per
+pod (:mod:`kvmesh.router.kv_groups`).
 
 All mutation happens on one thread (the event loop that receives the events).
 """
@@ -44,19 +26,20 @@ All mutation happens on one thread (the event loop that receives the events).
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from itertools import repeat
-from typing import Any
 
 import numpy as np
 
 from kvmesh.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, BlockHasher, HashAlgo, Namespace
 from kvmesh.core.types import BlockKey, ExternalBlockHash, Medium, PodId
+from kvmesh.router.chain_namespaces import ChainNamespaces
+from kvmesh.router.engine_blocks import align_match, warn_block_size_mismatch
 from kvmesh.router.index import MEDIUM_BITS, BlockIndex, MediumSet
+from kvmesh.router.ingest_stats import IngestStats
 from kvmesh.router.keymemo import BlockKeyMemo
+from kvmesh.router.kv_groups import GroupVerdict, KVGroupSelector
 from kvmesh.router.prefix import as_token_array
 from kvmesh.router.types import PrefixMatch
 
@@ -64,54 +47,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BLOCKS_PER_POD = 1_000_000
 
-PREFIX_KV_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
-"""``kv_cache_spec_kind`` values whose blocks hold a full prefix (an untagged event counts too)."""
-
 _Entry = tuple[BlockKey, int, int]
 """(our key, namespace id, MediumSet bits); for an expanded engine block, its last sub-key"""
 
 _SubKeys = dict[ExternalBlockHash, tuple[BlockKey, ...]]
 """Per pod: the router keys of each engine block larger than a router block."""
-
-_SLOWEST_FIRST = (Medium.SHARED, Medium.DISK, Medium.CPU, Medium.GPU)
-
-_HAS_SPEC_KIND = "kv_cache_spec_kind" in BlockStored.__struct_fields__
-"""Whether this events module carries vLLM 0.32's ``kv_cache_spec_kind`` (else it is always unset)."""
-
-_NO_GROUP = -1
-"""The group rank of events without ``group_idx`` (lowest: an untagged publisher has one group)."""
-
-
-@dataclass(slots=True)
-class IngestStats:
-    """Counters of what the applier has seen.
-
-    Attributes:
-        num_events: events applied.
-        num_blocks_stored: blocks added (one per engine hash of a BlockStored).
-        num_blocks_removed: blocks removed from some tier.
-        num_clears: AllBlocksCleared events and pod drops.
-        num_orphans: BlockStored chains whose parent hash was unknown (skipped).
-        num_unknown_hashes: removed or token-less stored hashes never seen stored.
-        num_bad_events: malformed BlockStored events (short token list, token ids not u32,
-            block size not positive), skipped.
-        num_overflow: blocks pushed out because a pod's map was full.
-        num_block_size_mismatch: BlockStored events whose block size is not a multiple of the
-            router's, skipped (the pod is routed by load only; a warning names the fix).
-        num_skipped_groups: BlockStored and BlockRemoved events of KV cache groups not indexed
-            (sliding window, Mamba, ... or a second full-attention group), skipped.
-    """
-
-    num_events: int = 0
-    num_blocks_stored: int = 0
-    num_blocks_removed: int = 0
-    num_clears: int = 0
-    num_orphans: int = 0
-    num_unknown_hashes: int = 0
-    num_bad_events: int = 0
-    num_overflow: int = 0
-    num_block_size_mismatch: int = 0
-    num_skipped_groups: int = 0
 
 
 class EventApplier:
@@ -154,30 +94,18 @@ class EventApplier:
         self._sub_keys: dict[PodId, _SubKeys] = {}
         """Only pods with engine blocks larger than the router's have an entry."""
         self._block_sizes: dict[PodId, int] = {}
-        self._groups: dict[PodId, int] = {}
-        """The KV cache group indexed per pod (:data:`_NO_GROUP` for untagged events); only pods
-        that announced a group or kind have an entry, so untagged streams skip the group checks."""
+        self._groups = KVGroupSelector(self.stats)
         self._noted: set[tuple[PodId, int, str]] = set()
-        """(pod, block size or group, why) already logged: one line per pod and cause."""
-        self._namespaces: list[Namespace] = []
-        self._hashers: dict[tuple[str, str], tuple[BlockHasher, int]] = {}
+        """(pod, engine block size, why) already logged: one line per pod and cause."""
+        self._namespaces = ChainNamespaces(model, revision, block_size, self.algo)
 
     def namespace(self, lora: str = "", tenant: str = "") -> Namespace:
         """The namespace requests with this LoRA and tenant hash into."""
-        return Namespace(self.model, self.revision, lora, tenant)
+        return self._namespaces.namespace(lora, tenant)
 
     def hasher(self, lora: str = "", tenant: str = "") -> BlockHasher:
         """The (cached) block hasher of one namespace."""
-        return self._hasher_entry(lora, tenant)[0]
-
-    def _hasher_entry(self, lora: str, tenant: str) -> tuple[BlockHasher, int]:
-        entry = self._hashers.get((lora, tenant))
-        if entry is None:
-            ns = self.namespace(lora, tenant)
-            entry = (BlockHasher(ns, self.block_size, self.algo), len(self._namespaces))
-            self._namespaces.append(ns)
-            self._hashers[(lora, tenant)] = entry
-        return entry
+        return self._namespaces.hasher(lora, tenant)[0]
 
     def num_blocks(self, pod: PodId) -> int:
         """Engine blocks the applier currently tracks for ``pod``."""
@@ -193,8 +121,7 @@ class EventApplier:
 
     def pod_kv_group(self, pod: PodId) -> int | None:
         """The KV cache group indexed for ``pod`` (``None``: untagged events or none seen yet)."""
-        group = self._groups.get(pod, _NO_GROUP)
-        return None if group == _NO_GROUP else group
+        return self._groups.group(pod)
 
     def pod_stats(self) -> dict[PodId, dict[str, int | None]]:
         """Per pod: engine block size, engine blocks tracked and the KV cache group indexed."""
@@ -210,44 +137,15 @@ class EventApplier:
     def align_match(self, match: PrefixMatch) -> PrefixMatch:
         """Round each pod's match down to whole engine blocks of that pod (in place).
 
-        A pod whose blocks are ``k`` router blocks long is indexed with all ``k`` sub-keys of each
-        block, so a prompt that leaves its cached prefix inside an engine block matches up to
-        ``k - 1`` router blocks more than the engine can reuse (it only reuses whole blocks). This
-        removes them; pods whose block size is the router's are untouched, and nothing is done when
-        no pod has larger blocks. Trailing blocks are taken from the slowest tiers first (an engine
-        evicts a chain's tail first).
+        See :func:`kvmesh.router.engine_blocks.align_match`; nothing is done when no pod has
+        blocks larger than the router's.
 
         Returns:
             ``match``.
         """
         if not self._sub_keys or match.block_size != self.block_size:
             return match
-        sizes = self._block_sizes
-        bs = self.block_size
-        dropped: list[PodId] = []
-        for pod, pod_match in match.pods.items():
-            per = sizes.get(pod, bs) // bs
-            extra = pod_match.num_blocks % per if per > 1 else 0
-            if not extra:
-                continue
-            pod_match.num_blocks -= extra
-            by_tier = pod_match.blocks_by_tier
-            for tier in _SLOWEST_FIRST:
-                n = by_tier.get(tier, 0)
-                if n:
-                    take = min(n, extra)
-                    if take == n:
-                        del by_tier[tier]
-                    else:
-                        by_tier[tier] = n - take
-                    extra -= take
-                    if not extra:
-                        break
-            if not pod_match.num_blocks:
-                dropped.append(pod)
-        for pod in dropped:
-            del match.pods[pod]
-        return match
+        return align_match(match, self.block_size, self._block_sizes)
 
     def apply_batch(self, pod: PodId, batch: KVEventBatch) -> None:
         """Apply every event of one batch, in order."""
@@ -275,7 +173,7 @@ class EventApplier:
             Index entries dropped.
         """
         self.stats.num_clears += 1
-        self._groups.pop(pod, None)
+        self._groups.forget(pod)
         return self._drop_blocks(pod)
 
     def forget_pod(self, pod: PodId) -> int:
@@ -287,12 +185,19 @@ class EventApplier:
         dropped = self.drop_pod(pod)
         self._block_sizes.pop(pod, None)
         self._noted = {note for note in self._noted if note[0] != pod}
+        self._groups.forget(pod, notes=True)
         return dropped
 
     def _drop_blocks(self, pod: PodId) -> int:
-        self._pods.pop(pod, None)
-        self._sub_keys.pop(pod, None)
-        return self.index.clear_pod(pod)
+        blocks = self._pods.pop(pod, None)
+        sub = self._sub_keys.pop(pod, None)
+        dropped = self.index.clear_pod(pod)
+        if dropped is not None:
+            return dropped
+        # A write-behind index drops them later: count the router keys this pod was given.
+        if not blocks:
+            return 0
+        return len(blocks) + sum(len(keys) - 1 for keys in (sub or {}).values())
 
     def flush_namespace(self, lora: str | None = None, tenant: str | None = None) -> int:
         """Forget every block of the namespaces matching ``lora`` and ``tenant`` (``None`` = any).
@@ -300,11 +205,7 @@ class EventApplier:
         Returns:
             Engine blocks removed, summed over pods.
         """
-        wanted = {
-            i
-            for i, ns in enumerate(self._namespaces)
-            if (lora is None or ns.lora == lora) and (tenant is None or ns.tenant == tenant)
-        }
+        wanted = self._namespaces.ids_matching(lora, tenant)
         total = 0
         for pod, blocks in self._pods.items():
             gone = [h for h, (_, ns_id, _) in blocks.items() if ns_id in wanted]
@@ -335,12 +236,11 @@ class EventApplier:
         n = len(hashes)
         if n == 0:
             return
-        if (
-            ev.group_idx is not None
-            or self._groups
-            or (_HAS_SPEC_KIND and getattr(ev, "kv_cache_spec_kind", None) is not None)
-        ) and not self._admit_group(pod, ev):
+        verdict = self._groups.admit_stored(pod, ev)
+        if verdict is GroupVerdict.SKIP:
             return
+        if verdict is GroupVerdict.SWITCH:
+            self._drop_blocks(pod)
         bits = MEDIUM_BITS[Medium.parse(ev.medium)]
         blocks = self._pods.get(pod)
         if blocks is None:
@@ -355,13 +255,8 @@ class EventApplier:
         if engine_bs != bs:
             self._stored_resized(pod, ev, blocks, bits)
             return
-        if len(tokens) < n * bs:
-            self.stats.num_bad_events += 1
-            return
-        try:
-            token_array = as_token_array(tokens[: n * bs] if len(tokens) > n * bs else tokens)
-        except ValueError:
-            self.stats.num_bad_events += 1
+        token_array = self._event_tokens(tokens, n * bs)
+        if token_array is None:
             return
         chain = self._chain_keys(ev, blocks, token_array, n)
         if chain is None:
@@ -386,6 +281,16 @@ class EventApplier:
         if len(blocks) > self.max_blocks_per_pod:
             self._overflow(pod, blocks)
 
+    def _event_tokens(self, tokens: list[int], need: int) -> np.ndarray | None:
+        """An event's first ``need`` token ids as u32; ``None`` (counted) when too few or not u32."""
+        try:
+            if len(tokens) >= need:
+                return as_token_array(tokens[:need] if len(tokens) > need else tokens)
+        except ValueError:
+            pass
+        self.stats.num_bad_events += 1
+        return None
+
     def _chain_keys(
         self,
         ev: BlockStored,
@@ -397,15 +302,14 @@ class EventApplier:
         root or from its parent's entry, as (parent key, namespace id, keys); ``None`` (counted) when
         the parent is unknown."""
         if ev.parent_block_hash is None:
-            hasher, ns_id = self._hasher_entry(*self._chain_namespace(ev))
+            hasher, ns_id = self._namespaces.hasher_of_chain(ev)
             return hasher.root, ns_id, hasher.hash_blocks(token_array, None, num_keys)
         parent = blocks.get(ev.parent_block_hash)
         if parent is None:
             self.stats.num_orphans += 1
             return None
         ns_id = parent[1]
-        ns = self._namespaces[ns_id]
-        hasher = self._hasher_entry(ns.lora, ns.tenant)[0]
+        hasher = self._namespaces.hasher_of(ns_id)
         return parent[0], ns_id, hasher.hash_blocks(token_array, parent[0], num_keys)
 
     def _stored_resized(
@@ -419,29 +323,24 @@ class EventApplier:
             return
         if engine_bs % bs:
             self.stats.num_block_size_mismatch += 1
-            self._warn_mismatch(pod, engine_bs)
+            if (pod, engine_bs, "mismatch") not in self._noted:
+                self._noted.add((pod, engine_bs, "mismatch"))
+                warn_block_size_mismatch(pod, engine_bs, bs, self._block_sizes.values())
             return
         hashes = ev.block_hashes
         n = len(hashes)
         per = engine_bs // bs
         tokens = ev.token_ids
-        need = n * engine_bs
-        if len(tokens) < need:
-            self.stats.num_bad_events += 1
-            return
-        try:
-            token_array = as_token_array(tokens[:need] if len(tokens) > need else tokens)
-        except ValueError:
-            self.stats.num_bad_events += 1
+        token_array = self._event_tokens(tokens, n * engine_bs)
+        if token_array is None:
             return
         if (pod, engine_bs, "size") not in self._noted:
             self._noted.add((pod, engine_bs, "size"))
             logger.info(
-                "pod %s publishes %d-token KV blocks: each is indexed as %d router blocks of %d tokens",
+                "pod %s publishes %d-token KV blocks: each is indexed as %d router blocks",
                 pod,
                 engine_bs,
                 per,
-                bs,
             )
         # An expanded parent's entry holds its last sub-key: the chain value after its tokens.
         chain = self._chain_keys(ev, blocks, token_array, n * per)
@@ -464,52 +363,6 @@ class EventApplier:
         self.stats.num_blocks_stored += n
         if len(blocks) > self.max_blocks_per_pod:
             self._overflow(pod, blocks)
-
-    def _warn_mismatch(self, pod: PodId, engine_bs: int) -> None:
-        if (pod, engine_bs, "mismatch") in self._noted:
-            return
-        self._noted.add((pod, engine_bs, "mismatch"))
-        fix = math.gcd(engine_bs, *(size for size in self._block_sizes.values() if size > 0))
-        logger.warning(
-            "pod %s publishes %d-token KV blocks, which the router's %d-token blocks do not divide: "
-            "its KV events are skipped and it is routed by load only. Set the router's blockSize to "
-            "%d (--block-size %d), which divides the block size of every pod seen so far",
-            pod,
-            engine_bs,
-            self.block_size,
-            fix,
-            fix,
-        )
-
-    def _admit_group(self, pod: PodId, ev: BlockStored) -> bool:
-        """Whether a BlockStored of this KV cache group is indexed for ``pod``."""
-        kind = getattr(ev, "kv_cache_spec_kind", None)
-        group = _NO_GROUP if ev.group_idx is None else ev.group_idx
-        if kind is not None and kind not in PREFIX_KV_KINDS:
-            self.stats.num_skipped_groups += 1
-            if (pod, group, "kind") not in self._noted:
-                self._noted.add((pod, group, "kind"))
-                logger.info(
-                    "pod %s: KV cache group %s (%s) is not indexed: only full-attention groups hold "
-                    "reusable prefixes",
-                    pod,
-                    ev.group_idx,
-                    kind,
-                )
-            return False
-        chosen = self._groups.get(pod)
-        if chosen == group:
-            return True
-        if chosen is None or group < chosen:
-            if chosen is not None:
-                # A lower full-attention group showed up (events seen from mid-stream): index that
-                # one. The other group's blocks leave, since its removals will no longer be followed.
-                logger.info("pod %s: indexing KV cache group %s instead of %s", pod, ev.group_idx, chosen)
-                self._drop_blocks(pod)
-            self._groups[pod] = group
-            return True
-        self.stats.num_skipped_groups += 1
-        return False
 
     def _add_tier(
         self,
@@ -538,19 +391,16 @@ class EventApplier:
             self.stats.num_blocks_stored += num_added
 
     def _removed(self, pod: PodId, ev: BlockRemoved) -> None:
-        group = ev.group_idx
-        if (group is not None or self._groups) and not self._in_indexed_group(pod, group):
-            self.stats.num_skipped_groups += 1
+        if not self._groups.admit_removed(pod, ev.group_idx):
             return
         blocks = self._pods.get(pod)
         if blocks is None:
             self.stats.num_unknown_hashes += len(ev.block_hashes)
             return
         bits = MEDIUM_BITS[Medium.parse(ev.medium)]
-        if self._sub_keys and pod in self._sub_keys:
-            self._removed_expanded(pod, blocks, self._sub_keys[pod], ev.block_hashes, bits)
-            return
+        sub = self._sub_keys.get(pod)
         keys: list[BlockKey] = []
+        num_removed = 0
         for h in ev.block_hashes:
             entry = blocks.get(h)
             if entry is None:
@@ -559,36 +409,10 @@ class EventApplier:
             left = entry[2] & ~bits
             if left:
                 blocks[h] = (entry[0], entry[1], left)
+                expanded = None if sub is None else sub.get(h)
             else:
                 del blocks[h]
-            keys.append(entry[0])
-        if keys:
-            self.index.remove(keys, pod, MediumSet(bits))
-            self.stats.num_blocks_removed += len(keys)
-
-    def _removed_expanded(
-        self,
-        pod: PodId,
-        blocks: dict[ExternalBlockHash, _Entry],
-        sub: _SubKeys,
-        hashes: Sequence[ExternalBlockHash],
-        bits: int,
-    ) -> None:
-        """:meth:`_removed` for a pod with engine blocks larger than the router's."""
-        keys: list[BlockKey] = []
-        num_removed = 0
-        for h in hashes:
-            entry = blocks.get(h)
-            if entry is None:
-                self.stats.num_unknown_hashes += 1
-                continue
-            left = entry[2] & ~bits
-            if left:
-                blocks[h] = (entry[0], entry[1], left)
-                expanded = sub.get(h)
-            else:
-                del blocks[h]
-                expanded = sub.pop(h, None)
+                expanded = None if sub is None else sub.pop(h, None)
             if expanded is None:
                 keys.append(entry[0])
             else:
@@ -597,11 +421,6 @@ class EventApplier:
         if keys:
             self.index.remove(keys, pod, MediumSet(bits))
             self.stats.num_blocks_removed += num_removed
-
-    def _in_indexed_group(self, pod: PodId, group_idx: int | None) -> bool:
-        """Whether a BlockRemoved of this group concerns the group indexed for ``pod``."""
-        group = _NO_GROUP if group_idx is None else group_idx
-        return self._groups.get(pod, group) == group
 
     def _overflow(self, pod: PodId, blocks: dict[ExternalBlockHash, _Entry]) -> None:
         excess = len(blocks) - self.max_blocks_per_pod
@@ -612,19 +431,3 @@ class EventApplier:
                 break
         self.index.remove(self._pop_keys(pod, blocks, oldest), pod)
         self.stats.num_overflow += len(oldest)
-
-    @staticmethod
-    def _namespace_fields(lora_name: str | None, extra_keys: list[Any] | None) -> tuple[str, str]:
-        lora = lora_name or ""
-        first: Any = extra_keys
-        if extra_keys and (extra_keys[0] is None or isinstance(extra_keys[0], list | tuple)):
-            # One entry per block (vLLM's newer form): the tenant salt sits in block 0's keys.
-            first = extra_keys[0]
-        tenant = ""
-        for item in first or ():
-            if isinstance(item, str) and item != lora:
-                tenant = item
-        return lora, tenant
-
-    def _chain_namespace(self, ev: BlockStored) -> tuple[str, str]:
-        return self._namespace_fields(ev.lora_name, ev.extra_keys)

@@ -105,7 +105,7 @@ def _iter_key_groups(
 def match_prefix(
     index: BlockIndex,
     hasher: BlockHasher,
-    tokens: Sequence[int],
+    tokens: Sequence[int] | np.ndarray,
     memo: BlockKeyMemo | None = None,
 ) -> PrefixMatch:
     """Per-pod consecutive cached blocks of ``tokens``.

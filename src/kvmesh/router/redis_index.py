@@ -9,19 +9,23 @@ Layout (``P`` is the key prefix, ``k`` the 16 raw key bytes)::
 Every write is idempotent (HSET/HDEL/SADD), so replicas that all subscribe to the same event
 streams converge on the same contents. Memory is bounded by the server (``maxmemory`` with an
 LRU policy) and optionally by a TTL refreshed on each write. Calls are synchronous and pipelined:
-one round trip per ``add``/``remove``, one per 32 blocks of a ``lookup``.
+one round trip per ``add``/``remove``, one per 32 blocks of a ``lookup``, and two per
+:meth:`RedisIndex.write_batch` run of adds and removes. The gateway does not call it from its event
+loop: :class:`~kvmesh.router.write_behind.WriteBehindIndex` batches the writes on a thread and
+lookups run on worker threads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import islice
+from itertools import islice, repeat
 
 import redis
 
 from kvmesh.core.types import BlockKey, PodId
 from kvmesh.errors import TierUnavailableError
 from kvmesh.router.index import ALL_MEDIA, MEDIUM_BITS, BlockIndex, Holders, IndexStats, MediumSet
+from kvmesh.router.write_behind import AddBlocks, BatchWritable, ClearPod, IndexWrite, RemoveBlocks
 
 _BITS = tuple(MEDIUM_BITS.values())
 _LOOKUP_GROUP = 32
@@ -58,44 +62,70 @@ class RedisIndex:
         return self.prefix + b"p:" + pod.encode()
 
     def add(self, keys: Sequence[BlockKey], pod: PodId, media: MediumSet) -> None:
-        if not keys:
-            return
-        fields = {f"{pod}|{bit}": 1 for bit in _BITS if media & bit}
-        bp = self._block_prefix
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            for key in keys:
-                name = bp + key
-                pipe.hset(name, mapping=fields)  # type: ignore[arg-type]
-                if self.ttl_ms is not None:
-                    pipe.pexpire(name, self.ttl_ms)
-            pipe.sadd(self._pod_key(pod), *keys)
-            pipe.sadd(self._pods_key, pod)
-            pipe.execute()
-        except redis.RedisError as exc:
-            raise TierUnavailableError(f"redis index add failed: {exc}") from exc
+        if keys:
+            self.write_batch([AddBlocks(tuple(keys), pod, media)])
 
     def remove(self, keys: Sequence[BlockKey], pod: PodId, media: MediumSet = ALL_MEDIA) -> None:
-        if not keys:
-            return
-        fields = [f"{pod}|{bit}" for bit in _BITS if media & bit]
-        all_fields = [f"{pod}|{bit}" for bit in _BITS]
-        bp = self._block_prefix
+        if keys:
+            self.write_batch([RemoveBlocks(tuple(keys), pod, media)])
+
+    def write_batch(self, writes: Sequence[IndexWrite]) -> None:
+        """Apply ``writes`` in order: each run of adds and removes in one pipeline.
+
+        Raises:
+            TierUnavailableError: the server cannot be reached.
+        """
         try:
-            pipe = self.client.pipeline(transaction=False)
-            for key in keys:
-                pipe.hdel(bp + key, *fields)
-            pipe.execute()
-            # Keys the pod no longer holds in any tier leave its membership set.
-            check = self.client.pipeline(transaction=False)
-            for key in keys:
-                check.hmget(bp + key, all_fields)
-            left = check.execute()
-            gone = [k for k, vals in zip(keys, left, strict=True) if not any(vals)]
-            if gone:
-                self.client.srem(self._pod_key(pod), *gone)
+            run: list[AddBlocks | RemoveBlocks] = []
+            for write in writes:
+                if isinstance(write, ClearPod):
+                    self._write_run(run)
+                    run = []
+                    self._clear_pod(write.pod)
+                else:
+                    run.append(write)
+            self._write_run(run)
         except redis.RedisError as exc:
-            raise TierUnavailableError(f"redis index remove failed: {exc}") from exc
+            raise TierUnavailableError(f"redis index write failed: {exc}") from exc
+
+    def _write_run(self, run: Sequence[AddBlocks | RemoveBlocks]) -> None:
+        if not run:
+            return
+        bp = self._block_prefix
+        pipe = self.client.pipeline(transaction=False)
+        removed: list[tuple[PodId, BlockKey]] = []
+        for write in run:
+            pod, keys = write.pod, write.keys
+            if isinstance(write, AddBlocks):
+                fields = {f"{pod}|{bit}": 1 for bit in _BITS if write.media & bit}
+                for key in keys:
+                    name = bp + key
+                    pipe.hset(name, mapping=fields)  # type: ignore[arg-type]
+                    if self.ttl_ms is not None:
+                        pipe.pexpire(name, self.ttl_ms)
+                pipe.sadd(self._pod_key(pod), *keys)
+                pipe.sadd(self._pods_key, pod)
+            else:
+                dropped = [f"{pod}|{bit}" for bit in _BITS if write.media & bit]
+                for key in keys:
+                    pipe.hdel(bp + key, *dropped)
+                removed.extend(zip(repeat(pod), keys))
+        pipe.execute()
+        if not removed:
+            return
+        # Keys a pod no longer holds in any tier (after the whole run) leave its membership set.
+        check = self.client.pipeline(transaction=False)
+        for pod, key in removed:
+            check.hmget(bp + key, [f"{pod}|{bit}" for bit in _BITS])
+        gone: dict[PodId, list[BlockKey]] = {}
+        for (pod, key), vals in zip(removed, check.execute(), strict=True):
+            if not any(vals):
+                gone.setdefault(pod, []).append(key)
+        if gone:
+            srem = self.client.pipeline(transaction=False)
+            for pod, pod_keys in gone.items():
+                srem.srem(self._pod_key(pod), *pod_keys)
+            srem.execute()
 
     def lookup(self, keys: Iterable[BlockKey]) -> list[Holders]:
         out: list[Holders] = []
@@ -122,23 +152,26 @@ class RedisIndex:
             raise TierUnavailableError(f"redis index lookup failed: {exc}") from exc
 
     def clear_pod(self, pod: PodId) -> int:
+        try:
+            return self._clear_pod(pod)
+        except redis.RedisError as exc:
+            raise TierUnavailableError(f"redis index clear_pod failed: {exc}") from exc
+
+    def _clear_pod(self, pod: PodId) -> int:
         pod_key = self._pod_key(pod)
         fields = [f"{pod}|{bit}" for bit in _BITS]
         bp = self._block_prefix
         dropped = 0
-        try:
-            batch: list[bytes] = []
-            for key in self.client.sscan_iter(pod_key, count=1000):
-                batch.append(key)
-                if len(batch) >= 1000:
-                    dropped += self._hdel_many(batch, fields, bp)
-                    batch = []
-            if batch:
+        batch: list[bytes] = []
+        for key in self.client.sscan_iter(pod_key, count=1000):
+            batch.append(key)
+            if len(batch) >= 1000:
                 dropped += self._hdel_many(batch, fields, bp)
-            self.client.delete(pod_key)
-            self.client.srem(self._pods_key, pod)
-        except redis.RedisError as exc:
-            raise TierUnavailableError(f"redis index clear_pod failed: {exc}") from exc
+                batch = []
+        if batch:
+            dropped += self._hdel_many(batch, fields, bp)
+        self.client.delete(pod_key)
+        self.client.srem(self._pods_key, pod)
         return dropped
 
     def _hdel_many(self, keys: list[bytes], fields: list[str], bp: bytes) -> int:
@@ -164,5 +197,5 @@ class RedisIndex:
         self.client.close()
 
 
-def _conforms(index: RedisIndex) -> BlockIndex:
-    return index
+def _conforms(index: RedisIndex) -> tuple[BlockIndex, BatchWritable]:
+    return index, index

@@ -107,7 +107,8 @@ class Scheduler:
 
     Args:
         profiles: the pipelines by name.
-        index: the block index the prefix is matched against (``None``: no precise prefix).
+        index: the block index the prefix is matched against (``None``: no precise prefix); a
+            remote one is read only through :meth:`match`, which the gateway runs off its loop.
         block_size: the engines' tokens per block.
         hash_algo: the engines' key digest.
         pd: the P/D decider's settings, or ``None`` for whole requests.
@@ -197,7 +198,15 @@ class Scheduler:
         return hasher
 
     def match(self, request: RoutingRequest) -> PrefixMatch:
-        """Match ``request``'s prefix against the index (empty without an index)."""
+        """Match ``request``'s prefix against the index (empty without an index).
+
+        Every index match goes through here: :meth:`pick` calls it when ``request.prefix`` is
+        ``None``; with an index that does network I/O the gateway calls it on a worker thread
+        first and passes the result in ``request.prefix``.
+
+        Raises:
+            TierUnavailableError: a remote index cannot be reached.
+        """
         hasher = self.hasher(request.namespace)
         if self.index is None:
             return PrefixMatch(hasher.num_full_blocks(request.num_tokens), self.block_size)

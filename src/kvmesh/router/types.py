@@ -6,33 +6,18 @@ dataclasses so the fleet simulator can build them in virtual time without any I/
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
+from typing import TypeAlias
+
+import numpy as np
 
 from kvmesh.core.hashing import Namespace
+from kvmesh.core.tenancy import Role
 from kvmesh.core.types import Medium, PodId
 
-
-class Role(StrEnum):
-    """What an endpoint serves. ``BOTH`` takes whole requests; P/D pools split them."""
-
-    BOTH = "both"
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-    @classmethod
-    def parse(cls, value: str | None) -> Role:
-        """Parse a role name; ``None`` or empty means ``BOTH``.
-
-        Raises:
-            ValueError: an unknown role name.
-        """
-        if not value:
-            return cls.BOTH
-        try:
-            return cls(value.lower())
-        except ValueError as exc:
-            raise ValueError(f"role must be one of both|prefill|decode, got {value!r}") from exc
+PromptTokens: TypeAlias = Sequence[int] | np.ndarray
+"""Prompt token ids: the gateway's u32 array (converted once, when the request is parsed) or a list."""
 
 
 @dataclass(slots=True)
@@ -103,14 +88,15 @@ class RoutingRequest:
 
     Attributes:
         request_id: unique id, used for logs and history.
-        tokens: prompt token ids (as the engine will see them).
+        tokens: prompt token ids (as the engine will see them); the gateway passes one u32 array,
+            which is hashed and matched as is.
         namespace: model/LoRA/tenant the prompt's blocks live in.
         session_id: ``x-session-id`` header, for session affinity.
         prefix: per-pod cached prefix; filled by the scheduler from its index when ``None``.
     """
 
     request_id: str
-    tokens: list[int]
+    tokens: PromptTokens
     namespace: Namespace
     session_id: str | None = None
     prefix: PrefixMatch | None = None

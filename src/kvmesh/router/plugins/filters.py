@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmesh.core.tenancy import Role
 from kvmesh.router.plugins.base import Filter, Params, PluginContext
-from kvmesh.router.types import EndpointState, Role, RoutingRequest
+from kvmesh.router.types import EndpointState, RoutingRequest
 
 
 @dataclass(slots=True)

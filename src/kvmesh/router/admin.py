@@ -1,0 +1,162 @@
+"""The admin API, behind a bearer token: endpoints, index flushes and index statistics.
+
+Routes: ``GET``/``POST``/``DELETE /admin/endpoints``, ``POST /admin/flush`` and
+``GET /admin/index``. Without a configured token every route answers 403.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import web
+
+from kvmesh.errors import ConfigError, RequestError
+from kvmesh.router.endpoints import EndpointConfig, EndpointPool, normalize_url
+from kvmesh.router.replies import error_response, json_response
+from kvmesh.router.tokenize import CachedTokenizer
+
+if TYPE_CHECKING:
+    from kvmesh.router.gateway import Gateway
+
+Handler = Callable[[web.Request], Awaitable[web.Response]]
+
+
+class AdminApi:
+    """The admin routes of one gateway.
+
+    Args:
+        gateway: the gateway whose pool, event applier and index the routes read and change.
+    """
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def register(self, app: web.Application) -> None:
+        """Add the admin routes to ``app``."""
+        app.router.add_get("/admin/endpoints", self._guard(self._list_endpoints))
+        app.router.add_post("/admin/endpoints", self._guard(self._add_endpoint))
+        app.router.add_delete("/admin/endpoints", self._guard(self._remove_endpoint))
+        app.router.add_post("/admin/flush", self._guard(self._flush))
+        app.router.add_get("/admin/index", self._guard(self._index_stats))
+
+    def _guard(self, handler: Handler) -> Handler:
+        async def guarded(request: web.Request) -> web.Response:
+            token = self.gateway.config.admin_token
+            if not token:
+                return error_response(
+                    403, "the admin API is disabled (no admin token configured)", kind="forbidden"
+                )
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return error_response(401, "missing or wrong bearer token", kind="unauthorized")
+            try:
+                return await handler(request)
+            except RequestError as exc:
+                return error_response(exc.status, exc.message, param=exc.param)
+
+        return guarded
+
+    def _pool(self) -> EndpointPool:
+        pool = self.gateway.pool
+        assert pool is not None, "admin requests arrived before Gateway.start()"
+        return pool
+
+    async def _list_endpoints(self, request: web.Request) -> web.Response:
+        applier = self.gateway.applier
+        out = []
+        for e in self._pool().endpoints:
+            item = asdict(e.state)
+            item.update(
+                events_endpoint=e.events_endpoint,
+                replay_endpoint=e.replay_endpoint,
+                last_error=e.last_error,
+                indexed_blocks=applier.num_blocks(e.state.pod) if applier is not None else 0,
+                block_size=applier.pod_block_size(e.state.pod) if applier is not None else None,
+            )
+            out.append(item)
+        return json_response({"endpoints": out})
+
+    async def _add_endpoint(self, request: web.Request) -> web.Response:
+        try:
+            config = msgspec.convert(await _json_body(request), type=EndpointConfig)
+        except msgspec.ValidationError as exc:
+            raise RequestError(f"invalid endpoint: {exc}") from exc
+        try:
+            endpoint = await self._pool().add(config)
+        except ConfigError as exc:
+            raise RequestError(str(exc)) from exc
+        self.gateway.maybe_start_intake()
+        body = {
+            "added": endpoint.state.pod,
+            "healthy": endpoint.state.healthy,
+            "events_endpoint": endpoint.events_endpoint,
+        }
+        return json_response(body, status=201)
+
+    async def _remove_endpoint(self, request: web.Request) -> web.Response:
+        url = request.query.get("url")
+        if url is None:
+            body = await _json_body(request) if request.can_read_body else None
+            url = body.get("url") if isinstance(body, dict) else None
+        if not isinstance(url, str):
+            raise RequestError('give the endpoint as ?url=... or {"url": ...}', param="url")
+        try:
+            pod = normalize_url(url)
+        except ConfigError as exc:
+            raise RequestError(str(exc), param="url") from exc
+        if not self._pool().remove(pod):
+            raise RequestError(f"no endpoint {pod}", status=404, param="url")
+        return json_response({"removed": pod})
+
+    async def _flush(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if not isinstance(body, dict) or not body:
+            raise RequestError('give {"pod": url} or {"tenant": ..., "lora": ...}')
+        applier = self.gateway.applier
+        if applier is None:
+            return json_response({"flushed": 0})
+        if "pod" in body:
+            if not isinstance(body["pod"], str):
+                raise RequestError("'pod' must be a URL string", param="pod")
+            try:
+                pod = normalize_url(body["pod"])
+            except ConfigError as exc:
+                raise RequestError(str(exc), param="pod") from exc
+            flushed = applier.drop_pod(pod)
+        else:
+            tenant, lora = body.get("tenant"), body.get("lora")
+            if not all(v is None or isinstance(v, str) for v in (tenant, lora)) or (
+                tenant is None and lora is None
+            ):
+                raise RequestError("'tenant' and 'lora' must be strings, at least one given")
+            flushed = applier.flush_namespace(lora=lora, tenant=tenant)
+        return json_response({"flushed": flushed})
+
+    async def _index_stats(self, request: web.Request) -> web.Response:
+        gw = self.gateway
+        index = gw.index
+        stats = await asyncio.to_thread(index.stats) if gw.index_is_remote else index.stats()
+        body: dict[str, Any] = {"index": asdict(stats)}
+        applier = gw.applier
+        if applier is not None:
+            body["ingest"] = asdict(applier.stats)
+            body["model"] = applier.model
+            body["block_size"] = applier.block_size
+            body["pods"] = applier.pod_stats()
+        if gw.intake is not None:
+            body["subscriber"] = asdict(gw.intake.subscriber.stats)
+        if isinstance(gw.tokenizer, CachedTokenizer):
+            body["tokenizer"] = gw.tokenizer.stats()
+        return json_response(body)
+
+
+async def _json_body(request: web.Request) -> Any:
+    try:
+        return msgspec.json.decode(await request.read())
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from exc

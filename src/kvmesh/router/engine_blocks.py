@@ -1,0 +1,93 @@
+"""Engine blocks larger than the router's: matches rounded to what each engine can reuse.
+
+Each pod's block size is learned from its BlockStored events
+(:meth:`~kvmesh.router.ingest.EventApplier.pod_block_size`). A pod whose blocks are ``k`` times the
+router's (vLLM on CPU uses 128 tokens, the router 16) has each engine block re-hashed into ``k``
+router blocks::
+
+    engine hash ──► (last sub-key, namespace id, MediumSet)     chains continue from it
+    engine hash ──► (sub-key 0, ..., sub-key k-1)                only for such expanded blocks
+
+so the index holds router-granularity keys only and prompt matching is unchanged. A prompt that
+leaves a cached prefix inside such an engine block matches up to ``k - 1`` sub-keys more than the
+engine can reuse; :func:`align_match` rounds each pod's match down to its own block boundaries
+(exactly its real reuse). A block size the router's does not divide cannot be keyed: those events
+are counted (``num_block_size_mismatch``) and one warning per pod (:func:`warn_block_size_mismatch`)
+names the router block size that would fix it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping
+
+from kvmesh.core.types import Medium, PodId
+from kvmesh.router.types import PrefixMatch
+
+logger = logging.getLogger(__name__)
+
+_SLOWEST_FIRST = (Medium.SHARED, Medium.DISK, Medium.CPU, Medium.GPU)
+
+
+def align_match(match: PrefixMatch, block_size: int, pod_block_sizes: Mapping[PodId, int]) -> PrefixMatch:
+    """Round each pod's match down to whole engine blocks of that pod (in place).
+
+    Pods whose block size is ``block_size`` (or unknown) are untouched. Trailing blocks are taken
+    from the slowest tiers first (an engine evicts a chain's tail first); a pod left with no block
+    leaves the match.
+
+    Args:
+        match: a match in router blocks of ``block_size`` tokens.
+        block_size: the router's tokens per block.
+        pod_block_sizes: each pod's engine block size.
+
+    Returns:
+        ``match``.
+    """
+    dropped: list[PodId] = []
+    for pod, pod_match in match.pods.items():
+        per = pod_block_sizes.get(pod, block_size) // block_size
+        extra = pod_match.num_blocks % per if per > 1 else 0
+        if not extra:
+            continue
+        pod_match.num_blocks -= extra
+        by_tier = pod_match.blocks_by_tier
+        for tier in _SLOWEST_FIRST:
+            n = by_tier.get(tier, 0)
+            if n:
+                take = min(n, extra)
+                if take == n:
+                    del by_tier[tier]
+                else:
+                    by_tier[tier] = n - take
+                extra -= take
+                if not extra:
+                    break
+        if not pod_match.num_blocks:
+            dropped.append(pod)
+    for pod in dropped:
+        del match.pods[pod]
+    return match
+
+
+def warn_block_size_mismatch(pod: PodId, engine_bs: int, block_size: int, known_sizes: Iterable[int]) -> None:
+    """Log that ``pod``'s ``engine_bs``-token blocks cannot be keyed, naming the block size that would fix it.
+
+    Args:
+        pod: the pod.
+        engine_bs: its engine block size, not a multiple of ``block_size``.
+        block_size: the router's tokens per block.
+        known_sizes: the block sizes of every pod seen so far.
+    """
+    fix = math.gcd(engine_bs, *(size for size in known_sizes if size > 0))
+    logger.warning(
+        "pod %s publishes %d-token KV blocks, which the router's %d-token blocks do not divide: "
+        "its KV events are skipped and it is routed by load only. Set the router's blockSize to "
+        "%d (--block-size %d), which divides the block size of every pod seen so far",
+        pod,
+        engine_bs,
+        block_size,
+        fix,
+        fix,
+    )

@@ -1,0 +1,198 @@
+"""Forwarding a routed request upstream: retries down the ranking, the answer relayed back.
+
+A connect failure (refused, reset or closed before any response) marks the endpoint down and the
+request goes to the next ranked endpoint, since nothing was generated for it yet; any later failure
+is the client's 502. SSE is relayed chunk by chunk and never buffered. The engines'
+``usage.prompt_tokens_details.cached_tokens`` is counted as the realized prefix hits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from yarl import URL
+
+from kvmesh.core.tenancy import ENDPOINT_HEADER
+from kvmesh.core.types import PodId
+from kvmesh.router.endpoints import EndpointPool
+from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.prefill_ledger import PrefillLedger
+from kvmesh.router.replies import error_response
+from kvmesh.router.types import Decision, RoutingRequest
+
+logger = logging.getLogger(__name__)
+
+_USAGE_TAIL = 16 * 1024
+"""Bytes of a stream's end kept to find its usage chunk."""
+
+
+class UpstreamProxy:
+    """Sends requests to endpoints and relays their answers.
+
+    Args:
+        session: the client session (shared with the pool's health checks).
+        pool: the endpoints; failures are reported to it and in-flight requests counted on it.
+        metrics: where retries, errors, decisions and hits are counted.
+        ledger: the outstanding prefill work per endpoint (sent, first token, finished).
+        request_timeout_s: total time one upstream request may take.
+        max_attempts: endpoints tried per request, down the ranking.
+    """
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        pool: EndpointPool,
+        metrics: RouterMetrics,
+        ledger: PrefillLedger,
+        *,
+        request_timeout_s: float,
+        max_attempts: int,
+    ) -> None:
+        self.session = session
+        self.pool = pool
+        self.metrics = metrics
+        self.ledger = ledger
+        self.max_attempts = max_attempts
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=2.0)
+        self._urls: dict[tuple[PodId, str], URL] = {}
+
+    def _upstream_url(self, pod: PodId, path: str) -> URL:
+        """Parsed once per (endpoint, route): URL parsing is a visible share of a proxied request."""
+        url = self._urls.get((pod, path))
+        if url is None:
+            url = self._urls[(pod, path)] = URL(f"{pod}{path}")
+        return url
+
+    async def forward(
+        self,
+        request: web.Request,
+        raw: bytes,
+        headers: dict[str, str],
+        decision: Decision,
+        routing: RoutingRequest,
+    ) -> web.StreamResponse:
+        """Send ``raw`` to ``decision.ranked[0]`` (then the next on connect failures) and relay the answer.
+
+        Args:
+            request: the client's request (its path is the upstream route; streams are prepared on it).
+            raw: the body to send.
+            headers: the headers to send.
+            decision: the scheduler's decision.
+            routing: the routed request (its id and predicted hits feed the prefill ledger).
+
+        Returns:
+            The relayed answer, or a 502 when no endpoint could be reached.
+        """
+        pool = self.pool
+        ledger = self.ledger
+        rid = routing.request_id
+        last_error = ""
+        for n, pod in enumerate(decision.ranked[: self.max_attempts]):
+            endpoint = pool.get(pod)
+            if endpoint is None or (n > 0 and not endpoint.state.healthy):
+                continue
+            pool.begin_request(pod)
+            hit = routing.prefix.hit_tokens(pod) if routing.prefix is not None else 0
+            ledger.sent(rid, endpoint.state, routing.num_tokens - hit, time.perf_counter())
+            try:
+                upstream = await self.session.post(
+                    self._upstream_url(pod, request.path), data=raw, headers=headers, timeout=self._timeout
+                )
+            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+                # Refused, reset or closed before any response: the endpoint is gone, and nothing
+                # was generated for this request, so the next endpoint can take it.
+                pool.end_request(pod)
+                ledger.finished(rid)
+                pool.report_failure(pod, str(exc))
+                self.metrics.retries.inc()
+                last_error = f"{pod}: {exc}"
+                continue
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                pool.end_request(pod)
+                ledger.finished(rid)
+                self.metrics.errors.labels("upstream").inc()
+                return error_response(502, f"endpoint {pod} failed: {exc}", kind="upstream_error")
+            self.metrics.count_decision(pod)
+            if pod == decision.endpoint:
+                self.metrics.predicted_hit_tokens.inc(decision.predicted_hit_tokens)
+            try:
+                return await self._relay(request, upstream, pod, rid)
+            finally:
+                upstream.release()
+                pool.end_request(pod)
+                ledger.finished(rid)
+        self.metrics.errors.labels("unreachable").inc()
+        return error_response(502, f"no endpoint could be reached ({last_error})", kind="upstream_error")
+
+    async def _relay(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, pod: PodId, request_id: str
+    ) -> web.StreamResponse:
+        content_type = upstream.headers.get("Content-Type", "application/json")
+        if not content_type.startswith("text/event-stream"):
+            try:
+                data = await upstream.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                self.metrics.errors.labels("upstream").inc()
+                return error_response(
+                    502, f"endpoint {pod} failed mid-response: {exc}", kind="upstream_error"
+                )
+            self._record_usage(data)
+            resp = web.Response(status=upstream.status, body=data, headers={"Content-Type": content_type})
+            resp.headers[ENDPOINT_HEADER] = pod
+            return resp
+        stream = web.StreamResponse(status=upstream.status)
+        stream.headers["Content-Type"] = content_type
+        stream.headers["Cache-Control"] = "no-cache"
+        stream.headers[ENDPOINT_HEADER] = pod
+        await stream.prepare(request)
+        tail = b""
+        first = upstream.status == 200
+        try:
+            async for chunk in upstream.content.iter_any():
+                if first:
+                    # An engine streams nothing before its first token: this is the prefill's end.
+                    self.ledger.first_token(request_id, time.perf_counter())
+                    first = False
+                await stream.write(chunk)
+                tail = (tail + chunk)[-_USAGE_TAIL:]
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.metrics.errors.labels("upstream").inc()
+            logger.warning("stream from %s broke: %s", pod, exc)
+            with contextlib.suppress(ConnectionResetError):
+                await stream.write(b'data: {"error": {"message": "upstream endpoint failed mid-stream"}}\n\n')
+            return stream
+        except ConnectionResetError:
+            return stream
+        self._record_stream_usage(tail)
+        with contextlib.suppress(ConnectionResetError):
+            await stream.write_eof()
+        return stream
+
+    def _record_usage(self, data: bytes) -> None:
+        try:
+            body = msgspec.json.decode(data)
+        except msgspec.DecodeError:
+            return
+        self._count_cached(body)
+
+    def _record_stream_usage(self, tail: bytes) -> None:
+        for line in reversed(tail.split(b"\n")):
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                with contextlib.suppress(msgspec.DecodeError):
+                    self._count_cached(msgspec.json.decode(line[6:]))
+                return
+
+    def _count_cached(self, body: Any) -> None:
+        if not isinstance(body, dict):
+            return
+        usage = body.get("usage")
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if type(cached) is int and cached > 0:
+            self.metrics.realized_hit_tokens.inc(cached)

@@ -1,0 +1,188 @@
+"""OpenAI request bodies into routing requests: validation, tokenization, tenant.
+
+::
+
+    raw body ─► JSON object ─► field checks ─► tenant (kvmesh.core.tenancy)
+             ─► prompt ids (given ids checked, text through the tokenizer, chat through the
+                chat template) ─► one u32 array ─► RoutingRequest(namespace = model + tenant)
+
+The prompt ids are validated and converted to the index's u32 array here, once; that array is the
+``RoutingRequest.tokens`` the scheduler hashes and matches, unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvmesh.core.hashing import Namespace
+from kvmesh.core.tenancy import CACHE_SALT_FIELD, SESSION_HEADER, resolve_tenant
+from kvmesh.errors import RequestError
+from kvmesh.router.prefix import as_token_array
+from kvmesh.router.tokenize import PromptTokenizer
+from kvmesh.router.types import RoutingRequest
+
+_Tokens = np.ndarray | Callable[[], list[int]]
+"""Prompt ids already converted, or a call that tokenizes the prompt's text."""
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """One validated OpenAI request, ready to route.
+
+    Attributes:
+        body: the decoded body, with ``cache_salt`` set to the tenant when the header named it.
+        raw: the body to forward: the client's bytes, re-encoded only when ``cache_salt`` was added.
+        tenant: the tenant (``""``: none named).
+        routing: what the scheduler sees; its ``tokens`` are the u32 prompt ids.
+    """
+
+    body: dict[str, Any]
+    raw: bytes
+    tenant: str
+    routing: RoutingRequest
+
+
+class RequestParser:
+    """Validates and tokenizes completions and chat bodies.
+
+    Args:
+        tokenizer: text and chat tokenizer (``None``: text prompts are routed by load only).
+        tokenize_thread_min_chars: text at least this long is tokenized on a worker thread.
+    """
+
+    def __init__(self, tokenizer: PromptTokenizer | None, *, tokenize_thread_min_chars: int) -> None:
+        self.tokenizer = tokenizer
+        self.tokenize_thread_min_chars = tokenize_thread_min_chars
+        self._ids = itertools.count()
+
+    async def parse(
+        self, raw: bytes, headers: Mapping[str, str], *, chat: bool, model: str | None, revision: str | None
+    ) -> ParsedRequest:
+        """Turn one request into a :class:`ParsedRequest`.
+
+        Args:
+            raw: the request body.
+            headers: the request headers (case-insensitive).
+            chat: a ``/v1/chat/completions`` body (else ``/v1/completions``).
+            model: the namespace model (``None``: the body's ``model``).
+            revision: the namespace model revision.
+
+        Raises:
+            RequestError: the body or the tenant is invalid.
+        """
+        body, pending = self._validate(raw, chat=chat)
+        tenant = resolve_tenant(headers, body.get(CACHE_SALT_FIELD))
+        if isinstance(pending, np.ndarray):
+            tokens = pending
+        elif _is_long(body, self.tokenize_thread_min_chars):
+            # The tokenizer releases the GIL: text prompts use another core meanwhile.
+            tokens = as_token_array(await asyncio.to_thread(pending))
+        else:
+            tokens = as_token_array(pending())
+        if tenant and body.get(CACHE_SALT_FIELD) != tenant:
+            body[CACHE_SALT_FIELD] = tenant
+            raw = msgspec.json.encode(body)
+        routing = RoutingRequest(
+            request_id=f"r{next(self._ids)}",
+            tokens=tokens,
+            namespace=Namespace(model or str(body.get("model") or ""), revision or "", "", tenant),
+            session_id=headers.get(SESSION_HEADER),
+        )
+        return ParsedRequest(body, raw, tenant, routing)
+
+    def _validate(self, raw: bytes, *, chat: bool) -> tuple[dict[str, Any], _Tokens]:
+        """Validate a body; returns it with its token ids, or a call that tokenizes its text."""
+        if not raw:
+            raise RequestError("request body is empty; expected a JSON object")
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise RequestError(f"request body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise RequestError("'model' must be a string", param="model")
+        stream = body.get("stream", False)
+        if stream is not None and not isinstance(stream, bool):
+            raise RequestError("'stream' must be a boolean", param="stream")
+        salt = body.get(CACHE_SALT_FIELD)
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise RequestError("'cache_salt' must be a non-empty string", param=CACHE_SALT_FIELD)
+        if chat:
+            return body, self._chat_tokens(body.get("messages"))
+        return body, self._prompt_tokens(body.get("prompt", None), "prompt" in body)
+
+    def _prompt_tokens(self, prompt: Any, present: bool) -> _Tokens:
+        if not present:
+            raise RequestError("'prompt' is required", param="prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str | list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("'prompt' must not be empty", param="prompt")
+            tokenizer = self.tokenizer
+            return _NO_TOKENS if tokenizer is None else lambda: tokenizer.encode(prompt)
+        if isinstance(prompt, list):
+            if not prompt:
+                raise RequestError("'prompt' must not be empty", param="prompt")
+            tokens = _token_array(prompt)
+            if tokens is not None:
+                return tokens
+            raise RequestError(
+                "'prompt' must be a string, a list of token ids in [0, 2^32), or a one-element list of either",
+                param="prompt",
+            )
+        raise RequestError(
+            f"'prompt' must be a string or a list of token ids, got {type(prompt).__name__}", param="prompt"
+        )
+
+    def _chat_tokens(self, messages: Any) -> _Tokens:
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("'messages' must be a non-empty list", param="messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise RequestError(f"messages[{i}] must be an object with a string 'role'", param="messages")
+            content = message.get("content")
+            if content is not None and not isinstance(content, str | list):
+                raise RequestError(
+                    f"messages[{i}].content must be a string or a list of parts", param="messages"
+                )
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return _NO_TOKENS
+        return lambda: tokenizer.apply_chat_template(messages)
+
+
+_NO_TOKENS = as_token_array([])
+"""The prompt ids of a text request without a tokenizer: it is routed by load only."""
+
+
+def _token_array(value: list[Any]) -> np.ndarray | None:
+    """``value`` as u32 token ids when every element is an int (not a bool) in [0, 2^32), else ``None``."""
+    try:
+        return as_token_array(msgspec.convert(value, list[int]))
+    except (msgspec.ValidationError, ValueError):
+        return None
+
+
+def _is_long(body: dict[str, Any], min_chars: int) -> bool:
+    """Whether tokenizing ``body``'s text is worth a hop to a worker thread."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt) >= min_chars
+    if isinstance(prompt, list):
+        return any(isinstance(p, str) and len(p) >= min_chars for p in prompt)
+    messages = body.get("messages")
+    total = 0
+    for m in messages if isinstance(messages, list) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        total += len(content) if isinstance(content, str) else min_chars
+    return total >= min_chars
