@@ -34,14 +34,13 @@ from kvmesh.core.tenancy import Role, resolve_tenant
 from kvmesh.core.tokens import Tokenizer
 from kvmesh.engine.core import EngineCore
 from kvmesh.engine.detokenizer import StopMatcher, StreamDetokenizer
-from kvmesh.engine.metrics import CONTENT_TYPE, EngineMetrics
+from kvmesh.engine.info_api import InfoApi
+from kvmesh.engine.metrics import EngineMetrics
 from kvmesh.engine.peer_api import PeerApi
 from kvmesh.engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
     Limits,
-    TokenizeRequest,
     check_prompt_ids,
     decode_body,
     flatten_messages,
@@ -129,14 +128,8 @@ class EngineServer:
         r = self.app.router
         r.add_post("/v1/completions", self.completions)
         r.add_post("/v1/chat/completions", self.chat_completions)
-        r.add_get("/v1/models", self.models)
-        r.add_get("/health", self.health)
-        r.add_post("/tokenize", self.tokenize)
-        r.add_post("/detokenize", self.detokenize)
-        r.add_get("/metrics", self.metrics_handler)
-        r.add_get("/kvmesh/info", self.info)
-        r.add_get("/version", self.version)
-        r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        self.info_api = InfoApi(self)
+        self.info_api.register(r)
         PeerApi(self).register(r)
         self._runner: web.AppRunner | None = None
         self.host = ""
@@ -439,80 +432,9 @@ class EngineServer:
             pass
         return resp
 
-    # ---------------------------------------------------------------- info
-
-    async def models(self, request: web.Request) -> web.StreamResponse:
-        name = self.config.served_model_name
-        return _ok(
-            {
-                "object": "list",
-                "data": [
-                    {"id": name, "object": "model", "created": 0, "owned_by": "kvmesh", "root": name,
-                     "parent": None, "max_model_len": self.max_model_len}
-                ],
-            }
-        )  # fmt: skip
-
-    async def health(self, request: web.Request) -> web.StreamResponse:
-        return _ok({"status": "ok"})
-
-    async def tokenize(self, request: web.Request) -> web.StreamResponse:
-        body: TokenizeRequest = decode_body(await request.read(), TokenizeRequest)
-        self.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise RequestError("give exactly one of 'prompt' or 'messages'", param="prompt")
-        if body.prompt is not None:
-            tokens = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        else:
-            tokens = self.tokenizer.apply_chat_template(flatten_messages(body.messages or []))
-        return _ok({"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens})
-
-    async def detokenize(self, request: web.Request) -> web.StreamResponse:
-        body: DetokenizeRequest = decode_body(await request.read(), DetokenizeRequest)
-        self.check_model(body.model)
-        check_prompt_ids(body.tokens, self.vocab_size)
-        return _ok({"prompt": self.tokenizer.decode(body.tokens)})
-
-    async def metrics_handler(self, request: web.Request) -> web.StreamResponse:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
-
     def info_dict(self) -> dict[str, Any]:
         """The ``/kvmesh/info`` document."""
-        core, info = self.core, self.core.runner.info
-        return {
-            "model": self.config.served_model_name,
-            "revision": self.config.revision,
-            "block_size": core.cache.block_size,
-            "hash_algo": self.config.hash_algo,
-            "events_endpoint": self.config.events_endpoint,
-            "replay_endpoint": self.config.replay_endpoint,
-            "events_topic": self.config.events_topic,
-            "role": self.config.role.value,
-            "kv_bytes_per_token": info.kv.bytes_per_token,
-            "max_model_len": info.max_model_len,
-            "kv_capacity_tokens": core.cache.capacity_blocks * core.cache.block_size,
-            "max_num_seqs": core.config.max_num_seqs,
-            "max_num_batched_tokens": core.config.max_num_batched_tokens,
-            "emulate": self.config.emulate,
-            "device": info.device,
-            "store": core.has_store,
-            **self.config.extra_info,
-        }
-
-    async def info(self, request: web.Request) -> web.StreamResponse:
-        return _ok(self.info_dict())
-
-    async def reset_prefix_cache(self, request: web.Request) -> web.StreamResponse:
-        """Drop the device-tier cache (publishes AllBlocksCleared); 409 while requests hold blocks."""
-        if not self.core.cache.reset():
-            raise RequestError("the prefix cache is in use by running requests", status=409)
-        self.core.publish_events()
-        return _ok({"reset": True})
-
-    async def version(self, request: web.Request) -> web.StreamResponse:
-        from kvmesh import __version__
-
-        return _ok({"version": __version__})
+        return self.info_api.info_dict()
 
 
 async def serve_forever(server: EngineServer, host: str, port: int, ready: Callable[[int], None]) -> None:

@@ -1,3 +1,4 @@
+# Over 450 lines: one class, because vLLM loads a connector as one class serving both its scheduler and worker roles; the pure parts live in paged_kv, request_tracker, store_bridge, paged_transfer.
 """A vLLM (v1 engine) KV connector that loads prompt-prefix KV from, and saves it to, the kvmesh store.
 
 Enable it with no change to vLLM::

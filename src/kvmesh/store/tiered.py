@@ -1,3 +1,4 @@
+# Over 450 lines: the tier walk, promotion and write-back share the tier list, the breakers and the in-flight writes; split, each part would reach into the others.
 """TieredStore: ordered tiers behind one prefix-oriented API that never raises for a bad tier.
 
 ::
