@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -75,10 +76,20 @@ async def _scrape_everything() -> dict[str, set[str]]:
                     assert r.status == 200, await r.text()
             async with http.post(f"http://127.0.0.1:{port}/v1/completions", data=b"{") as r:
                 assert r.status == 400
-            for url in (f"http://127.0.0.1:{port}/metrics", f"{engine.url}/metrics"):
-                async with http.get(url) as r:
-                    for name, labels in _exposition(await r.text()).items():
-                        names.setdefault(name, set()).update(labels)
+            # The router indexes the engine's events asynchronously: scrape once they are in.
+            deadline = asyncio.get_running_loop().time() + 10.0
+            while True:
+                scraped: dict[str, set[str]] = {}
+                for url in (f"http://127.0.0.1:{port}/metrics", f"{engine.url}/metrics"):
+                    async with http.get(url) as r:
+                        for name, labels in _exposition(await r.text()).items():
+                            scraped.setdefault(name, set()).update(labels)
+                indexed = "endpoint" in scraped.get("kvmesh_router_pod_indexed_blocks", set())
+                if indexed or asyncio.get_running_loop().time() > deadline:
+                    break
+                await asyncio.sleep(0.1)
+            for name, labels in scraped.items():
+                names.setdefault(name, set()).update(labels)
             await app.cleanup()
     finally:
         await gateway.aclose()
