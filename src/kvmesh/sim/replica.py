@@ -36,6 +36,8 @@ from kvmesh.sim.loop import EventLoop
 from kvmesh.sim.tiers import TierStack
 from kvmesh.workload import PromptBlocks
 
+_NO_STEP: SchedulerOutput = SchedulerOutput()
+
 RECOST_STEPS = 64
 """Longest decode run priced at one step time; contexts grow, so longer runs are re-costed."""
 
@@ -168,7 +170,7 @@ class SimReplica:
         self._busy = False
         self._kick_pending = False
         self._version = 0
-        self._step: SchedulerOutput[SimRequest] = SchedulerOutput()
+        self._step: SchedulerOutput[SimRequest] = _NO_STEP
         self._step_start = 0.0
         self._step_dt = 0.0
         self._step_n = 0
@@ -292,7 +294,7 @@ class SimReplica:
             if req.alloc is not None:
                 st.prefill_tokens += end - start
         finished = self.scheduler.update(out, n)
-        self._step = SchedulerOutput()
+        self._step = _NO_STEP
         for req in finished:
             req.finish = now
             st.num_finished += 1
