@@ -23,7 +23,7 @@ from kvmesh.sim.report import SimReport, build_report
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llmd-73-capacity")
-    ap.add_argument("--policies", default="precise,approximate,load,random")
+    ap.add_argument("--policies", default="llmd-precise,approximate,load,random")
     ap.add_argument("--plots", type=Path)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
