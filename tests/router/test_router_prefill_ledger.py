@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvmesh.router.prefill_ledger import MIN_SAMPLE_WEIGHT, PrefillLedger, PrefillSpeedFit
+from kvmesh.router.prefill_ledger import MIN_SAMPLE_WEIGHT, PrefillLedger, PrefillSpeedFit, prefill_work
 from kvmesh.router.types import EndpointState
 
 A, B = "http://a", "http://b"
@@ -26,6 +26,36 @@ def test_pending_tokens_follow_sends_first_tokens_and_failures():
     ledger.first_token("r3", now=0.5)
     assert (a.pending_prefill_tokens, b.pending_prefill_tokens) == (0, 0)
     assert len(ledger) == 0
+
+
+def test_work_is_weighted_by_position_with_an_attention_context():
+    assert prefill_work(0, 1000, 0.0) == 1000.0
+    assert prefill_work(0, 1000, 1000.0) == pytest.approx(1500.0)  # positions 0..1000 average 1.5x
+    assert prefill_work(1000, 2000, 1000.0) == pytest.approx(2500.0)  # the same tokens after a prefix
+    ledger = PrefillLedger(attention_context=1000.0)
+    a = EndpointState(A)
+    ledger.sent("cold", a, 2000, now=0.0)
+    ledger.sent("suffix", a, 1000, now=0.0, cached=1000)
+    assert a.pending_prefill_tokens == 4000 + 2500
+    ledger.first_token("cold", now=1.0)
+    assert a.pending_prefill_tokens == 2500
+    with pytest.raises(ValueError):
+        PrefillLedger(attention_context=-1.0)
+
+
+def test_a_long_prompt_keeps_its_endpoint_busy_for_its_attention_work():
+    # the speed learned on short prompts drains a long prompt's work no faster than it is done
+    plain, weighted = PrefillLedger(min_tokens=100), PrefillLedger(min_tokens=100, attention_context=1000.0)
+    a, b = EndpointState(A), EndpointState(B)
+    for ledger, state in ((plain, a), (weighted, b)):
+        for i in range(int(MIN_SAMPLE_WEIGHT) + 8):
+            ledger.sent(f"r{i}", state, 200, now=10.0 * i)
+            ledger.first_token(f"r{i}", now=10.0 * i + 0.2)
+        ledger.refresh(1000.0)  # before each decision, as the router does
+        ledger.sent("long", state, 4000, now=1000.0)
+        ledger.refresh(1004.0)
+    assert a.pending_prefill_tokens == 0  # 4000 tokens at 1 ms each: drained after 4 s
+    assert b.pending_prefill_tokens > 0  # 12000 units of work at 0.2 s per 220: about 7 s left
 
 
 def test_a_retry_on_another_endpoint_moves_the_work():

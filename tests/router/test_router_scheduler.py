@@ -11,7 +11,12 @@ from kvmesh.core.hashing import BlockHasher, Namespace
 from kvmesh.core.types import Medium, PodId
 from kvmesh.errors import ConfigError
 from kvmesh.router.index import InMemoryIndex, medium_set
-from kvmesh.router.plugins.registry import DEPRECATED_ALIASES, FACTORIES, canonical_type
+from kvmesh.router.plugins.registry import (
+    DEPRECATED_ALIASES,
+    FACTORIES,
+    attention_context_of,
+    canonical_type,
+)
 from kvmesh.router.plugins.scorers import TTFTEstimateScorer
 from kvmesh.router.scheduler import PRESET_NAMES, Scheduler, WeightedScorer, load_scheduler_config
 from kvmesh.router.types import EndpointState, PodMatch, PrefixMatch, Role, RoutingRequest
@@ -217,6 +222,29 @@ def test_ttft_estimate_moves_a_prefix_off_a_saturated_holder():
     busy_holder = EndpointState(A, pending_prefill_tokens=400)  # backlog > recomputing 96 tokens
     scores = scorer.score(r, [busy_holder, other])
     assert scores[1] == 1.0 and scores[0] < 1.0
+
+
+def test_ttft_estimate_weighs_each_prompt_token_by_its_position():
+    # with attention doubling a token's cost at position 128, the prompt's 128 tokens cost
+    # 128 + 128**2 / 256 = 192 tokens at position 0; with 64 cached, 64 + (128**2 - 64**2) / 256 = 112
+    scorer = TTFTEstimateScorer(1000.0, 0.0, 0.0, {}, attention_context=128.0)
+    cold = req()
+    assert scorer.estimate(cold, EndpointState(A)) == pytest.approx(0.192)
+    warm = req()
+    warm.prefix = PrefixMatch(8, 16, {A: PodMatch(4, {Medium.GPU: 4})})
+    assert scorer.estimate(warm, EndpointState(A)) == pytest.approx(0.112)
+    assert TTFTEstimateScorer(1000.0, 0.0, 0.0, {}).estimate(warm, EndpointState(A)) == pytest.approx(0.064)
+
+
+def test_the_ledger_weighs_work_as_the_ttft_scorer_of_its_config():
+    config = load_scheduler_config("precise")
+    assert attention_context_of(config) == 0.0
+    config["plugins"][0]["parameters"]["attentionContextTokens"] = 30_000
+    assert attention_context_of(config) == 30_000.0
+    s = Scheduler.from_config(config, index=InMemoryIndex(capacity=None), rng=random.Random(0))
+    scorer = next(w.scorer for w in s.profiles["default"].scorers if isinstance(w.scorer, TTFTEstimateScorer))
+    assert scorer.attention_context == 30_000.0
+    assert attention_context_of(load_scheduler_config("load")) == 0.0  # no TTFT scorer
 
 
 def test_pd_decider_splits_only_long_uncached_prompts():

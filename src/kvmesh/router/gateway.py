@@ -41,6 +41,7 @@ from kvmesh.router.ingest import EventApplier
 from kvmesh.router.intake import EventIntake
 from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.plugins.registry import attention_context_of
 from kvmesh.router.prefill_ledger import PrefillLedger
 from kvmesh.router.prefill_leg import PrefillLeg, decode_body
 from kvmesh.router.proxy import UpstreamProxy
@@ -127,7 +128,7 @@ class Gateway:
         self.prefill_leg: PrefillLeg | None = None
         self._session: aiohttp.ClientSession | None = None
         self._pending_events: dict[PodId, tuple[str, str | None]] = {}
-        self.prefill_ledger = PrefillLedger()
+        self.prefill_ledger = PrefillLedger(attention_context=attention_context_of(scheduler_config))
         """Prefill work sent to each endpoint and not yet answered, and the pool's learned speed."""
         self.app = self._build_app()
 

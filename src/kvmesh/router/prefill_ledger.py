@@ -14,6 +14,13 @@ least-squares slope through them swings with every burst. It is the per-request 
 ``vllm:time_to_first_token_seconds``, with the work ahead of each request known, which the engine's
 histogram cannot say.
 
+Work is counted in tokens at position 0: a token at position ``p`` attends to ``p`` earlier ones, so
+with ``attention_context`` ``C`` it costs ``1 + p / C`` of them (``C`` is where attention doubles a
+token's cost: twice the parameters over the attention FLOPs per token pair; about 30k for Qwen3-32B).
+A 190k-token cold prompt is then about four times the work its token count says, and the endpoint
+behind it is not reported idle while it is still prefilling. ``C = 0`` (the default) counts plain
+tokens; the ``ttft-estimate-scorer``'s ``attentionContextTokens`` sets it for the router's ledger.
+
 The fit is pooled over the endpoints (an inference pool serves one model on one kind of hardware):
 per-endpoint fits on a few dozen samples differ by noise, and routing on that noise sends a request
 away from the endpoint holding its prefix for no reason. Heterogeneous hardware belongs in separate
@@ -33,6 +40,14 @@ MIN_SAMPLE_WEIGHT = 8.0
 """Effective samples before the learned speed replaces the scorer's prior."""
 DEFAULT_MIN_TOKENS = 1024
 """Prefill work below this many tokens teaches nothing about prefill speed."""
+
+
+def prefill_work(start: int, end: int, attention_context: float) -> float:
+    """Work of computing prompt positions ``[start, end)``, in tokens at position 0 (see above)."""
+    n = max(end - start, 0)
+    if attention_context <= 0 or n == 0:
+        return float(n)
+    return n + (end * end - start * start) / (2.0 * attention_context)
 
 
 @dataclass(slots=True)
@@ -63,7 +78,7 @@ class PrefillSpeedFit:
 @dataclass(slots=True)
 class _Open:
     backlog: _Backlog
-    tokens: int
+    tokens: float
     ahead: float
     sent_s: float
 
@@ -73,7 +88,7 @@ class _Backlog:
     """One endpoint's outstanding work: what is open, and what is probably left of it."""
 
     state: EndpointState
-    open_tokens: int = 0
+    open_tokens: float = 0.0
     left: float = 0.0
     """``open_tokens`` less what the endpoint has computed since, at the learned speed: a request
     half-way through its prefill holds the next one back by half its tokens, not all of them."""
@@ -93,14 +108,23 @@ class PrefillLedger:
         learn: learn ``seconds_per_prefill_token`` from first-token times (off: the prior only).
         decay: forgetting factor of the estimate, per sample.
         min_tokens: least prefill work (tokens ahead + own) a sample needs to count.
+        attention_context: context at which attention doubles a token's cost (0: plain tokens).
     """
 
     def __init__(
-        self, *, learn: bool = True, decay: float = DEFAULT_DECAY, min_tokens: int = DEFAULT_MIN_TOKENS
+        self,
+        *,
+        learn: bool = True,
+        decay: float = DEFAULT_DECAY,
+        min_tokens: int = DEFAULT_MIN_TOKENS,
+        attention_context: float = 0.0,
     ) -> None:
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
+        if attention_context < 0:
+            raise ValueError(f"attention_context must be non-negative, got {attention_context}")
         self.learn = learn
+        self.attention_context = attention_context
         self._open: dict[str, _Open] = {}
         self._fit = PrefillSpeedFit(decay, min_tokens)
         self._backlogs: dict[PodId, _Backlog] = {}
@@ -117,17 +141,21 @@ class PrefillLedger:
                 backlog.publish()
             backlog.at = now
 
-    def sent(self, request_id: str, state: EndpointState, tokens: int, now: float) -> None:
-        """``request_id`` went to ``state``'s endpoint, which must compute ``tokens`` prompt tokens."""
-        tokens = max(tokens, 0)
+    def sent(
+        self, request_id: str, state: EndpointState, tokens: int, now: float, *, cached: int = 0
+    ) -> None:
+        """``request_id`` went to ``state``'s endpoint, which must compute ``tokens`` prompt tokens
+        after the ``cached`` ones it holds."""
+        cached = max(cached, 0)
+        work = prefill_work(cached, cached + max(tokens, 0), self.attention_context)
         self._release(request_id)
         backlog = self._backlogs.get(state.pod)
         if backlog is None or backlog.state is not state:  # new, or re-added to the pool
             backlog = self._backlogs[state.pod] = _Backlog(state, at=now)
             state.seconds_per_prefill_token = self._fit.seconds_per_token()
-        self._open[request_id] = _Open(backlog, tokens, backlog.left, now)
-        backlog.open_tokens += tokens
-        backlog.left += tokens
+        self._open[request_id] = _Open(backlog, work, backlog.left, now)
+        backlog.open_tokens += work
+        backlog.left += work
         backlog.publish()
 
     def first_token(self, request_id: str, now: float) -> None:
@@ -152,6 +180,6 @@ class PrefillLedger:
         if entry is not None:
             backlog = entry.backlog
             backlog.open_tokens = max(backlog.open_tokens - entry.tokens, 0)
-            backlog.left = min(backlog.left, float(backlog.open_tokens))
+            backlog.left = min(backlog.left, backlog.open_tokens)
             backlog.publish()
         return entry

@@ -33,7 +33,8 @@ class EndpointState:
         in_flight: requests the router has sent and not yet seen finish.
         healthy: passes health checks.
         pending_prefill_tokens: prompt tokens of this router's requests the endpoint still has to
-            compute (sent, no first token yet), as predicted from the index when each was routed.
+            compute (sent, no first token yet), as predicted from the index when each was routed;
+            weighted by position when the ledger has an attention context (``prefill_work``).
         seconds_per_prefill_token: the endpoint's prefill cost learned from first-token times;
             0 until enough samples, when scorers use their configured prior.
     """

@@ -21,6 +21,7 @@ from kvmesh.core.types import PodId
 from kvmesh.errors import ConfigError
 from kvmesh.router.index import InMemoryIndex
 from kvmesh.router.ingest import EventApplier
+from kvmesh.router.plugins.registry import attention_context_of
 from kvmesh.router.prefill_ledger import PrefillLedger
 from kvmesh.router.prefix import match_prefix_keys
 from kvmesh.router.scheduler import PRESET_NAMES, Scheduler, load_scheduler_config
@@ -138,7 +139,8 @@ class SimRouter:
         self.metrics_interval_s = metrics_interval_s
         self._states = [[EndpointState(r.pod) for r in self.replicas] for _ in range(gateways)]
         """Each gateway's view of the endpoints: shared scraped gauges, its own ``in_flight``."""
-        self._ledgers = [PrefillLedger() for _ in range(gateways)]
+        attention_context = attention_context_of(scheduler_config)
+        self._ledgers = [PrefillLedger(attention_context=attention_context) for _ in range(gateways)]
         """Each gateway's outstanding prefill work per endpoint and the speeds it learned."""
         self._awaiting_first_token: list[list[SimRequest]] = [[] for _ in range(gateways)]
         self._scraped_at = -1.0
@@ -189,8 +191,9 @@ class SimRouter:
         req.gateway = gateway
         state = states[replica.index]
         state.in_flight += 1
-        uncached = (req.prompt_len or len(req.tokens)) - prefix.hit_tokens(target)
-        self._ledgers[gateway].sent(req.request_id, state, uncached, now)
+        hit = prefix.hit_tokens(target)
+        uncached = (req.prompt_len or len(req.tokens)) - hit
+        self._ledgers[gateway].sent(req.request_id, state, uncached, now, cached=hit)
         self._awaiting_first_token[gateway].append(req)
         self.num_routed += 1
         self.routed_by_gateway[gateway] += 1

@@ -6,6 +6,7 @@ A YAML config names plugins by these constants (``type:``). Deprecated names sta
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from kvmesh.errors import ConfigError
@@ -88,3 +89,13 @@ def build_plugin(type_name: str, name: str, raw_params: Any, ctx: PluginContext)
         raise ConfigError(f"plugin {name!r}: {exc}") from exc
     params.check_unknown()
     return plugin
+
+
+def attention_context_of(config: Mapping[str, Any]) -> float:
+    """The first ``ttft-estimate-scorer``'s ``attentionContextTokens`` in a scheduler config (0 when
+    none sets it): the prefill ledger must weigh outstanding work as that scorer weighs a prompt."""
+    for plugin in config.get("plugins") or []:
+        if isinstance(plugin, Mapping) and canonical_type(str(plugin.get("type"))) == TTFT_ESTIMATE_SCORER:
+            value = (plugin.get("parameters") or {}).get("attentionContextTokens", 0.0)
+            return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+    return 0.0

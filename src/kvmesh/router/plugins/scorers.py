@@ -12,6 +12,7 @@ from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
 from kvmesh.core.types import BlockKey, Medium, PodId
 from kvmesh.errors import ConfigError
 from kvmesh.router.plugins.base import Params, PluginContext, Scorer
+from kvmesh.router.prefill_ledger import prefill_work
 from kvmesh.router.prefix import DEFAULT_TIER_WEIGHTS, weighted_blocks
 from kvmesh.router.types import EndpointState, RoutingRequest
 
@@ -234,6 +235,9 @@ class TTFTEstimateScorer:
 
     - work ahead: the prompt tokens this router sent to the endpoint that have no first token yet
       (``pending_prefill_tokens``, exact at decision time);
+    - own uncached tokens, weighted by position as the ledger weighs the work ahead (a token at
+      position ``p`` costs ``1 + p / attention_context`` tokens at position 0; 0: plain tokens), so
+      a long cold prompt is priced at what its attention costs, not at its token count;
     - queue: the engine's own ``waiting`` gauge × ``queued_request_s``, which also sees other
       routers' requests (the larger of the two waits counts, so this router's are not counted twice);
     - s/token: learned per endpoint from first-token times (``seconds_per_prefill_token``) once
@@ -256,6 +260,7 @@ class TTFTEstimateScorer:
     tier_gbps: dict[Medium, float]
     max_batched_tokens: int = 8192
     max_learned_ratio: float = 10.0
+    attention_context: float = 0.0
 
     def seconds_per_token(self, endpoint: EndpointState) -> float:
         prior = 1.0 / self.prefill_tokens_per_s
@@ -282,7 +287,8 @@ class TTFTEstimateScorer:
         budget = self.max_batched_tokens
         share = max(budget - endpoint.running, budget * 0.1) / budget
         spt = self.seconds_per_token(endpoint) / share
-        own = max(request.num_tokens - cached, 1)  # a full hit still computes the last token
+        start = min(cached, request.num_tokens - 1)  # a full hit still computes the last token
+        own = max(prefill_work(start, request.num_tokens, self.attention_context), 1.0)
         queue = max(endpoint.pending_prefill_tokens * spt, endpoint.waiting * self.queued_request_s)
         return transfer + queue + own * spt
 
@@ -348,6 +354,7 @@ def make_ttft_estimate_scorer(name: str, params: Params, ctx: PluginContext) -> 
         tier_gbps=_tier_map(name, params.mapping("tierGBps"), DEFAULT_TIER_GBPS),
         max_batched_tokens=params.integer("maxBatchedTokens", 8192, minimum=1),
         max_learned_ratio=params.number("maxLearnedRatio", 10.0, minimum=1.0),
+        attention_context=params.number("attentionContextTokens", 0.0, minimum=0.0),
     )
 
 
