@@ -19,6 +19,7 @@ _COMMAND_MODULES = (
     "kvmesh.fleet.cli",
     "kvmesh.bench.cli",
     "kvmesh.sim.cli",
+    "kvmesh.chaos.cli",
 )
 
 
