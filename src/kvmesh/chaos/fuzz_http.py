@@ -47,7 +47,7 @@ def _invalid_values(vocab: int, max_len: int) -> dict[str, list[object]]:
             [1.5, 2],
             ["a", 1],
             [True, False],
-            [[1, 2], [3]],
+            [[1, 2], "x", 3],
             [-1, 5],
             [vocab, 5],
             [2**32],
