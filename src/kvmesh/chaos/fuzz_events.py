@@ -40,7 +40,7 @@ def _valid_payload(rng: random.Random, vocab: int) -> bytes:
     n_blocks = rng.randint(1, 4)
     tokens = [rng.randrange(vocab) for _ in range(n_blocks * BLOCK_SIZE)]
     hashes: list[ExternalBlockHash] = [rng.getrandbits(64) for _ in range(n_blocks)]
-    return encode_batch([BlockStored(hashes, None, tokens, BLOCK_SIZE)])
+    return encode_batch([BlockStored(hashes, None, tokens, BLOCK_SIZE)], ts=0.0)
 
 
 def _random_value(rng: random.Random, depth: int = 0) -> object:
@@ -116,9 +116,9 @@ def fuzz_frames(seed: int, count: int, vocab: int, topic: bytes = b"kv-events") 
             yield [topic, _seq(seq), msgspec.msgpack.encode([rng.random(), events, None])]
         elif roll < 0.96:
             hashes: list[ExternalBlockHash] = [rng.getrandbits(64) for _ in range(rng.randint(1, 50))]
-            yield [topic, _seq(seq), encode_batch([BlockRemoved(hashes)])]
+            yield [topic, _seq(seq), encode_batch([BlockRemoved(hashes)], ts=0.0)]
         else:
-            yield [topic, _seq(seq), encode_batch([AllBlocksCleared()])]
+            yield [topic, _seq(seq), encode_batch([AllBlocksCleared()], ts=0.0)]
 
 
 async def fuzz_event_frames(ctx: ChaosContext) -> ScenarioResult:
