@@ -2,7 +2,7 @@
 
 ::
 
-    start fleet (2 emulated engines, router with an admin token, redis/valkey shared tier)
+    start fleet (2 CPU engines of a tiny model, router with an admin token, redis/valkey shared tier)
     start steady load ──────────────────────────────────────────────────────────────► stop
         1 shared tier dies   2 engine dies   3 router restarts   6 tenants   5 HTTP/event fuzz   7 soak
     4 corruption (store level, its own tiers; the Redis tier on the fleet's server)
@@ -50,7 +50,9 @@ SCENARIOS = (
     "soak",
 )
 MODEL = "tiny-random-llama"
-EMULATE = "tiny-h100"
+"""A small random-weight Llama run for real on the CPU: unlike emulated engines (which hold no KV
+bytes and ignore ``--store``), these save and load KV through the shared tier, so its faults land
+on the request path."""
 
 
 @dataclass(slots=True)
@@ -126,7 +128,6 @@ async def run_chaos(
     fleet_config = FleetConfig(
         num_engines=config.num_engines,
         model=MODEL,
-        emulate=EMULATE,
         shared=config.shared,
         engine_args=["--events-replay", "tcp://127.0.0.1:0"],
         router_args=["--admin-token", token],
@@ -137,7 +138,7 @@ async def run_chaos(
         mode="quick" if config.quick else "full",
         command=config.command,
         started_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        fleet={"engines": config.num_engines, "model": MODEL, "emulate": EMULATE, "shared": config.shared},
+        fleet={"engines": config.num_engines, "model": MODEL, "device": "cpu", "shared": config.shared},
     )
     log = FaultLog()
     prompts = chaos_prompts(vocab)
@@ -147,7 +148,7 @@ async def run_chaos(
     ):
         assert fleet.router_url is not None, "the fleet starts its router"
         model = await _served_model(session, fleet.router_url)
-        load = SteadyLoad(fleet.router_url, model, log, prompts, rate=config.rate)
+        load = SteadyLoad(fleet.router_url, model, log, prompts, rate=config.rate, vocab_size=vocab)
         ctx = ChaosContext(fleet, load, log, durations, model, vocab, token, session, prompts)
         steps: dict[str, tuple[str, Callable[[], Awaitable[ScenarioResult]]]] = {
             "shared_tier": ("1. shared tier dies", lambda: shared_tier_dies(ctx)),

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,6 +57,9 @@ class SteadyLoad:
         prompts: cycled in order.
         rate: requests per second.
         headers: sent with every request (tenant, auth).
+        fresh_every: every this many requests, a prompt of new tokens is sent instead, which no
+            cache holds: the engine asks the shared tier and writes its KV there (0: never).
+        vocab_size: token ids of fresh prompts stay below it.
     """
 
     def __init__(
@@ -68,6 +72,8 @@ class SteadyLoad:
         rate: float,
         headers: dict[str, str] | None = None,
         timeout_s: float = 30.0,
+        fresh_every: int = 4,
+        vocab_size: int = 259,
     ) -> None:
         if rate <= 0:
             raise ValueError(f"rate must be > 0, got {rate}")
@@ -87,6 +93,9 @@ class SteadyLoad:
         self.rate = rate
         self.results: list[RequestResult] = []
         self.num_skipped = 0
+        self.fresh_every = fresh_every
+        self.vocab_size = vocab_size
+        self._rng = random.Random(0)
         self._prompts = itertools.cycle(prompts)
         self._counter = itertools.count()
         self._running = asyncio.Event()
@@ -150,7 +159,12 @@ class SteadyLoad:
 
     async def _send_one(self) -> None:
         assert self._session is not None, "SteadyLoad.start() not called"
-        spec = dataclasses.replace(next(self._prompts), request_id=f"chaos-{next(self._counter)}")
+        n = next(self._counter)
+        spec = dataclasses.replace(next(self._prompts), request_id=f"chaos-{n}")
+        if self.fresh_every and n % self.fresh_every == 0:
+            low = min(spec.prompt_token_ids)
+            tokens = [self._rng.randrange(low, self.vocab_size) for _ in spec.prompt_token_ids]
+            spec = dataclasses.replace(spec, prompt_token_ids=tokens, reusable_prefix_len=0, group=None)
         self.results.append(await send_request(self._session, spec, self.options, self.clock.t0))
 
     def window(self, start_s: float, end_s: float) -> list[RequestResult]:

@@ -67,8 +67,11 @@ async def soak(ctx: ChaosContext) -> ScenarioResult:
     res = ScenarioResult("soak", "7. soak at 80 % of capacity")
     d = ctx.durations
     capacity = await measure_capacity(ctx, d.capacity_probe_s)
-    old_rate = ctx.load.rate
+    old_rate, old_fresh = ctx.load.rate, ctx.load.fresh_every
     ctx.load.rate = max(1.0, LOAD_SHARE * capacity)
+    # Only the cycled prompts: fresh ones would fill the caches up to their budgets, which is
+    # growth by design and would hide a leak's.
+    ctx.load.fresh_every = 0
     pids = fleet_pids(ctx.fleet)
     start = ctx.log.now()
     samples: list[tuple[float, dict[str, ProcSample]]] = []
@@ -76,7 +79,7 @@ async def soak(ctx: ChaosContext) -> ScenarioResult:
         samples.append((ctx.log.now() - start, sample(pids)))
         await asyncio.sleep(SAMPLE_INTERVAL_S)
     end = ctx.log.now()
-    ctx.load.rate = old_rate
+    ctx.load.rate, ctx.load.fresh_every = old_rate, old_fresh
     await ctx.load.wait_idle(10)
     after_warmup = [s for t, s in samples if t >= d.soak_warmup_s][:SAMPLES_AVERAGED]
     last = [s for _, s in samples[-SAMPLES_AVERAGED:]]
