@@ -74,6 +74,15 @@ class ChaosContext:
         body = await self.admin_get("/admin/index")
         return int(body["index"]["num_keys"])
 
+    async def router_counter(self, name: str) -> float:
+        """A label-less sample of the router's ``/metrics`` (``nan`` when absent)."""
+        async with self.session.get(self.router_url + "/metrics") as resp:
+            text = await resp.text()
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        return float("nan")
+
     async def sleep_until(self, t_s: float) -> None:
         """Sleep until the run's clock reads ``t_s``."""
         delay = t_s - self.log.now()

@@ -136,6 +136,7 @@ async def engine_dies(ctx: ChaosContext) -> ScenarioResult:
     states = await ctx.endpoint_states()
     blocks_before = int(states[pod]["indexed_blocks"])
     resets_before = (await ctx.admin_get("/admin/index"))["subscriber"]["num_resets"]
+    retries_before = await ctx.router_counter("kvmesh_router_retries_total")
 
     async def taken_out() -> bool:
         return not (await ctx.endpoint_states())[pod]["healthy"]
@@ -161,6 +162,7 @@ async def engine_dies(ctx: ChaosContext) -> ScenarioResult:
     await ctx.load.wait_idle(10)
     end = ctx.log.now()
     resets_after = (await ctx.admin_get("/admin/index"))["subscriber"]["num_resets"]
+    retries = await ctx.router_counter("kvmesh_router_retries_total") - retries_before
     failed_in_flight = num_failed(ctx.load.window(killed - IN_FLIGHT_WINDOW_S, killed))
     failed_after = num_failed(ctx.load.window(killed, end)) + num_failed(fresh)
     served_after = sum(1 for r in [*ctx.load.window(restarted, end), *fresh] if r.ok and r.endpoint == pod)
@@ -170,6 +172,7 @@ async def engine_dies(ctx: ChaosContext) -> ScenarioResult:
         indexed_blocks_before_kill=blocks_before,
         indexed_blocks_after_restart=blocks_after,
         publisher_resets=resets_after - resets_before,
+        requests_retried_elsewhere=retries,
         requests_served_after_restart=served_after,
     )
     res.check("seconds until the router stops sending to it", detect_s, "<=", DEAD_ENGINE_BOUND_S, "s")
