@@ -14,7 +14,7 @@ def register(subparsers: Any) -> None:
         "chaos",
         help="fault-and-soak run of a local fleet under load, with a pass/fail report",
         description=(
-            "Start a fleet (emulated engines, router, Redis or Valkey), drive steady load through the "
+            "Start a fleet (two CPU engines of a tiny model, router, Redis or Valkey), drive steady load through the "
             "router, inject faults (shared tier killed and frozen, an engine killed, the router "
             "restarted, corrupt chunks, fuzzed events and requests, two tenants, a soak) and check "
             "each scenario's bounds. Exit code 1 when any bound fails."

@@ -5,7 +5,8 @@
     start fleet (2 CPU engines of a tiny model, router with an admin token, redis/valkey shared tier)
     start steady load ──────────────────────────────────────────────────────────────► stop
         1 shared tier dies   2 engine dies   3 router restarts   6 tenants   5 HTTP/event fuzz   7 soak
-    4 corruption (store level, its own tiers; the Redis tier on the fleet's server)
+    4 corruption (store level, its own tiers; the Redis tier on the fleet's server), then corrupt
+      chunks in the fleet's server under the engines (4b)
 
 A scenario that raises is recorded as failed with its error, and the run goes on with the next.
 """
@@ -29,6 +30,7 @@ import aiohttp
 from kvmesh.chaos.bounds import ScenarioResult
 from kvmesh.chaos.context import ChaosContext
 from kvmesh.chaos.corruption import corruption
+from kvmesh.chaos.corruption_e2e import shared_tier_corruption
 from kvmesh.chaos.fleet_faults import engine_dies, router_restarts, shared_tier_dies
 from kvmesh.chaos.fuzz_events import fuzz_event_frames
 from kvmesh.chaos.fuzz_http import malformed_http
@@ -47,6 +49,7 @@ SCENARIOS = (
     "fuzz_events",
     "fuzz_http",
     "corruption",
+    "corruption_e2e",
     "soak",
 )
 MODEL = "tiny-random-llama"
@@ -158,6 +161,7 @@ async def run_chaos(
             "fuzz_events": ("5a. fuzzed event frames", lambda: fuzz_event_frames(ctx)),
             "fuzz_http": ("5b. malformed HTTP", lambda: malformed_http(ctx)),
             "corruption": ("4. corruption", lambda: corruption(durations.corrupt_chunks, fleet.store_url)),
+            "corruption_e2e": ("4b. corruption under the engines", lambda: shared_tier_corruption(ctx)),
             "soak": ("7. soak", lambda: soak(ctx)),
         }
         load.start()
