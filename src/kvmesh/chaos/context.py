@@ -93,10 +93,18 @@ class ChaosContext:
 async def poll_until(
     check: Callable[[], Awaitable[bool]], timeout_s: float, interval_s: float = 0.05
 ) -> float:
-    """Call the async ``check`` until it returns True; seconds it took, ``nan`` on timeout."""
+    """Call the async ``check`` until it returns True; seconds it took, ``nan`` on timeout.
+
+    A check that raises :class:`FleetError` (a process not answering in time, as a busy router
+    may not) counts as not yet.
+    """
     start = time.perf_counter()
     while True:
-        if await check():
+        try:
+            done = await check()
+        except FleetError:
+            done = False
+        if done:
             return time.perf_counter() - start
         if time.perf_counter() - start > timeout_s:
             return float("nan")

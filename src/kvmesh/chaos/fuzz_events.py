@@ -26,6 +26,7 @@ from kvmesh.fleet.launcher import HOST
 from kvmesh.fleet.process import free_ports
 
 BLOCK_SIZE = 16
+DIGEST_TIMEOUT_S = 300.0
 _SEND_BURST = 200
 """Frames sent back to back before yielding (keeps the PUB queue under its high-water mark)."""
 
@@ -121,6 +122,21 @@ def fuzz_frames(seed: int, count: int, vocab: int, topic: bytes = b"kv-events") 
             yield [topic, _seq(seq), encode_batch([AllBlocksCleared()], ts=0.0)]
 
 
+async def _wait_digested(ctx: ChaosContext, timeout_s: float) -> float:
+    """Seconds until the router's count of malformed frames stops moving for a second (the fuzz
+    is consumed; the engines' own batches keep the other counters moving)."""
+    last: list[int] = []
+
+    async def settled() -> bool:
+        nonlocal last
+        sub = (await ctx.admin_get("/admin/index"))["subscriber"]
+        now = [sub["num_malformed"], sub["num_resets"]]
+        same, last = now == last, now
+        return same
+
+    return await poll_until(settled, timeout_s, 1.0)
+
+
 async def fuzz_event_frames(ctx: ChaosContext) -> ScenarioResult:
     """Publish ``durations.event_frames`` fuzzed frames to the router, then one valid batch.
 
@@ -161,7 +177,7 @@ async def fuzz_event_frames(ctx: ChaosContext) -> ScenarioResult:
             sent += 1
             if sent % _SEND_BURST == 0:
                 await asyncio.sleep(0.005)
-        await asyncio.sleep(0.5)
+        digest_s = await _wait_digested(ctx, DIGEST_TIMEOUT_S)
         # A clear, then 4 blocks: the pod's count reads 4 only once both were applied in order.
         final_seq = 1 << 40
         await pub.send_multipart([b"kv-events", _seq(final_seq), encode_batch([AllBlocksCleared()])])
@@ -181,6 +197,7 @@ async def fuzz_event_frames(ctx: ChaosContext) -> ScenarioResult:
         )
         res.figures.update(
             frames_sent=sent,
+            seconds_to_digest=digest_s,
             frames_skipped_malformed=sub_a["num_malformed"] - sub_b["num_malformed"],
             events_rejected=ing_a["num_bad_events"] - ing_b["num_bad_events"],
             publisher_resets_seen=sub_a["num_resets"] - sub_b["num_resets"],
