@@ -123,6 +123,8 @@ def plot_timeline(report: ChaosReport, path: Path) -> Path:
         else:
             ax.plot([t + s.bin_s / 2 for t in s.t_s], values, color=color, linewidth=1.2)
         ax.set_ylabel(label)
+        if label.startswith("p90 TTFT"):
+            ax.set_yscale("log")  # a 1 s stall next to a 15 ms baseline
         ax.grid(alpha=0.3)
         for k, f in enumerate(report.faults):
             ax.axvspan(f.start_s, f.end_s, color=f"C{k % 10}", alpha=0.18)

@@ -5,16 +5,12 @@ from __future__ import annotations
 import asyncio
 import random
 
-import aiohttp
 import numpy as np
 
-from kvmesh.bench.metrics import RequestResult
-from kvmesh.bench.runner import RunOptions, send_request
-from kvmesh.bench.workloads import RequestSpec
 from kvmesh.chaos.bounds import ScenarioResult
 from kvmesh.chaos.context import ChaosContext
 from kvmesh.core.hashing import Namespace
-from kvmesh.router.gateway import TENANT_HEADER
+from kvmesh.router.gateway import ENDPOINT_HEADER, TENANT_HEADER
 from kvmesh.store.cache_engine import KVCacheEngine
 from kvmesh.store.config import StoreConfig
 
@@ -31,19 +27,31 @@ ADMIN_ROUTES = (
 )
 
 
-async def _ask(ctx: ChaosContext, tokens: list[int], tenant: str, url: str, n: int) -> RequestResult:
-    options = RunOptions(
-        base_url=url, model=ctx.model, stream=False, headers={TENANT_HEADER: tenant}, progress=False
-    )
-    spec = RequestSpec(
-        request_id=f"tenant-{tenant}-{n}", arrival_s=0.0, prompt_token_ids=tokens, output_len=4
-    )
-    timeout = aiohttp.ClientTimeout(total=30)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        result = await send_request(session, spec, options, ctx.log.t0)
-    if not result.ok:
-        raise AssertionError(f"tenant {tenant} request {n} failed: {result.error}")
-    return result
+async def _ask(
+    ctx: ChaosContext, url: str, tokens: list[int], *, tenant: str = "", salt: str = ""
+) -> tuple[int, str]:
+    """A non-streamed completion: through the router with the tenant header, or straight to an
+    engine with ``cache_salt`` (what the router adds for a tenant); (cached tokens, endpoint)."""
+    body: dict[str, object] = {"model": ctx.model, "prompt": tokens, "max_tokens": 4, "ignore_eos": True}
+    if salt:
+        body["cache_salt"] = salt
+    headers = {TENANT_HEADER: tenant} if tenant else {}
+    async with ctx.session.post(url + "/v1/completions", json=body, headers=headers) as resp:
+        data = await resp.json()
+        if resp.status != 200:
+            raise AssertionError(f"{url} ({tenant or salt}): HTTP {resp.status}: {data}")
+        endpoint = resp.headers.get(ENDPOINT_HEADER, url)
+    details = data["usage"].get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0), endpoint
+
+
+async def _flush_tenant(ctx: ChaosContext, tenant: str) -> int:
+    """Drop ``tenant``'s entries from the router's index; how many there were."""
+    headers = {"Authorization": f"Bearer {ctx.admin_token}"}
+    async with ctx.session.post(
+        ctx.router_url + "/admin/flush", json={"tenant": tenant}, headers=headers
+    ) as resp:
+        return int((await resp.json())["flushed"])
 
 
 async def _admin_without_token(ctx: ChaosContext) -> tuple[int, list[str]]:
@@ -81,41 +89,42 @@ async def _store_cross_tenant_hits(num_prompts: int = 32) -> int:
 
 
 async def tenants_stay_apart(ctx: ChaosContext) -> ScenarioResult:
-    """Tenant A sends a prompt twice, tenant B sends the same prompt (router, then straight to the
-    engine that holds A's blocks); the admin API is called without its token.
+    """Tenant A sends a prompt through the router, then again straight to the engine that took it;
+    tenant B sends the same prompt through the router, tenant C straight to A's engine; the admin
+    API is called without its token.
 
-    Bounds: tenant B's first request has 0 cached tokens through the router and on A's engine; B's
-    request adds its own index entries; the store finds none of A's chunks for B; A's repeat does
-    hit (so the check is not vacuous); every tokenless admin call is answered 401.
+    Bounds: B and C get 0 cached tokens; A's repeat does hit (so the check is not vacuous); the
+    router's index holds entries under each of A and B (counted by flushing them); a store finds
+    none of A's chunks for B; every tokenless admin call is answered 401.
     """
     res = ScenarioResult("tenants", "6. tenants stay apart; admin needs the token")
     rng = random.Random(16)
     tokens = [rng.randrange(3, ctx.vocab_size) for _ in range(PROMPT_TOKENS)]
-    a1 = await _ask(ctx, tokens, "tenant-a", ctx.router_url, 1)
+    _, engine_a = await _ask(ctx, ctx.router_url, tokens, tenant="tenant-a")
+    a_repeat, _ = await _ask(ctx, engine_a, tokens, salt="tenant-a")
     await asyncio.sleep(EVENT_SETTLE_S)
-    a2 = await _ask(ctx, tokens, "tenant-a", ctx.router_url, 2)
+    b_router, b_endpoint = await _ask(ctx, ctx.router_url, tokens, tenant="tenant-b")
+    c_engine, _ = await _ask(ctx, engine_a, tokens, salt="tenant-c")
     await asyncio.sleep(EVENT_SETTLE_S)
-    keys_before_b = await ctx.index_keys()
-    b1 = await _ask(ctx, tokens, "tenant-b", ctx.router_url, 1)
-    await asyncio.sleep(EVENT_SETTLE_S)
-    keys_after_b = await ctx.index_keys()
-    engine_a = a2.endpoint or a1.endpoint or ctx.fleet.engine_urls[0]
-    c1 = await _ask(ctx, tokens, "tenant-c", engine_a, 1)
+    entries_a = await _flush_tenant(ctx, "tenant-a")
+    entries_b = await _flush_tenant(ctx, "tenant-b")
     admin_calls, admin_wrong = await _admin_without_token(ctx)
     store_hits = await _store_cross_tenant_hits()
     res.figures.update(
-        tenant_a_repeat_cached_tokens=a2.cached_tokens,
-        tenant_b_router_endpoint=b1.endpoint or "",
         tenant_a_endpoint=engine_a,
-        index_keys_added_by_tenant_b=keys_after_b - keys_before_b,
+        tenant_b_router_endpoint=b_endpoint,
+        router_index_entries_tenant_a=entries_a,
+        router_index_entries_tenant_b=entries_b,
         admin_calls_without_token=admin_calls,
     )
     if admin_wrong:
         res.figures["admin_not_401"] = "; ".join(admin_wrong[:5])
-    res.check("tenant A's repeat: cached tokens", a2.cached_tokens, ">=", 1)
-    res.check("tenant B via router: cached tokens", b1.cached_tokens, "==", 0)
-    res.check("tenant C on tenant A's engine: cached tokens", c1.cached_tokens, "==", 0)
-    res.check("index keys added by tenant B", keys_after_b - keys_before_b, ">=", PROMPT_TOKENS // BLOCK_SIZE)
+    blocks = (PROMPT_TOKENS - 1) // BLOCK_SIZE
+    res.check("tenant A's repeat on its engine: cached tokens", a_repeat, ">=", 1)
+    res.check("tenant B via router: cached tokens", b_router, "==", 0)
+    res.check("tenant C on tenant A's engine: cached tokens", c_engine, "==", 0)
+    res.check("router index entries of tenant A", entries_a, ">=", blocks)
+    res.check("router index entries of tenant B (its own)", entries_b, ">=", blocks)
     res.check("store chunks found across tenants", store_hits, "==", 0)
     res.check("admin calls without a valid token not answered 401", len(admin_wrong), "==", 0)
     return res
