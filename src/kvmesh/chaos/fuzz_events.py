@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from kvmesh.chaos.bounds import ScenarioResult
 from kvmesh.chaos.context import ChaosContext, poll_until
+from kvmesh.chaos.load import num_failed, ttft_quantile
 from kvmesh.core.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 from kvmesh.core.types import ExternalBlockHash
 from kvmesh.fleet.launcher import HOST
@@ -159,6 +160,7 @@ async def fuzz_event_frames(ctx: ChaosContext) -> ScenarioResult:
                 raise AssertionError(f"adding the fuzz publisher: HTTP {resp.status}: {await resp.text()}")
         rng = random.Random(5)
         seq = 0
+        fuzz_start = ctx.log.now()
         before = await ctx.admin_get("/admin/index")
 
         async def connected() -> bool:
@@ -206,6 +208,10 @@ async def fuzz_event_frames(ctx: ChaosContext) -> ScenarioResult:
         alive = ctx.fleet.router is not None and ctx.fleet.router.returncode is None
         async with ctx.session.get(ctx.router_url + "/health") as resp:
             healthy = resp.status == 200
+        await ctx.load.wait_idle(ctx.load.options.request_timeout_s)
+        during = ctx.load.window(fuzz_start, ctx.log.now())
+        res.figures["load_p90_ttft_during_s"] = ttft_quantile(during, 0.9)
+        res.check("failed requests through the router during the fuzz", num_failed(during), "==", 0)
         res.check("router crashes", 0 if alive else 1, "==", 0)
         res.check("router healthy after the fuzz", int(healthy), "==", 1)
         res.check("bad frames and events counted as skipped", skipped, ">=", 1)
