@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.kvmesh-installed
 
-.PHONY: demo demo-quick test lint typecheck unit bench install peers vllm models deploy-tools system-deps clean
+.PHONY: demo demo-quick test lint typecheck unit bench chaos install peers vllm models deploy-tools system-deps clean
 
 install: $(STAMP)
 
@@ -55,6 +55,10 @@ test: install models peers vllm deploy-tools lint typecheck unit
 
 bench: install
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.run_all
+
+# The full fault-and-soak run (about 15 minutes: a 10-minute soak); `kvmesh chaos --quick` runs in make test.
+chaos: install models
+	HF_HUB_OFFLINE=1 $(VENV)/bin/kvmesh chaos --out chaos-report
 
 clean:
 	rm -rf $(VENV) .venv-aiperf .venv-sglang-router .venv-vllm-router .venv-vllm .venv-vllm.unavailable .venv-deploy build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -20,6 +20,7 @@ _COMMAND_MODULES = (
     "kvmesh.demo.cli",
     "kvmesh.bench.cli",
     "kvmesh.sim.cli",
+    "kvmesh.chaos.cli",
 )
 
 

@@ -278,3 +278,35 @@ def test_publisher_answers_replay_in_the_four_frame_form():
         dealer.close(0)
         ctx.term()
         pub.close()
+
+
+async def test_a_flood_of_queued_batches_leaves_the_event_loop_to_other_tasks():
+    pub = ZmqEventPublisher("tcp://127.0.0.1:0")
+    ticks = 0
+    seen_at: list[int] = []
+    sub = ZmqEventSubscriber(lambda pod, seq, batch: seen_at.append(ticks))
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await asyncio.sleep(0)
+
+    try:
+        sub.add_publisher(PodId("a"), pub.endpoint)
+        await asyncio.sleep(0.3)  # connected: what follows queues in the SUB socket
+        for i in range(2000):
+            pub.publish([stored(i)])
+        await asyncio.sleep(0.5)
+        tick_task = asyncio.create_task(ticker())
+        task = asyncio.create_task(sub.run())
+        await wait_for(lambda: len(seen_at) >= 1900)
+        stop.set()
+        await tick_task
+        # Read back to back, 1900 queued batches would all be handled at one tick.
+        assert len(set(seen_at)) >= 1900 // 64 // 2, len(set(seen_at))
+    finally:
+        await sub.aclose()
+        pub.close()
+    await task

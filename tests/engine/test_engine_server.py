@@ -102,6 +102,8 @@ async def test_prefill_role_returns_after_one_token(make_engine, http) -> None:
 BAD_COMPLETIONS = [
     (b"{not json", 400, "invalid json"),
     (b"", 400, "empty"),
+    (b'{"prompt": "\xff\xfe"}', 400, "not utf-8"),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nested too deeply"),
     (b"[1, 2]", 400, "invalid request"),
     ({"max_tokens": 3}, 400, "prompt"),
     ({"prompt": {"a": 1}}, 400, "prompt"),

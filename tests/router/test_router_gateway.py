@@ -116,6 +116,22 @@ async def test_tenant_header_salts_routing_and_engine_cache(engines):
         assert resp.status == 400 and "different tenants" in body["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (b'{"model": "\xff\xfe", "prompt": [1]}', "not UTF-8"),
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    ],
+)
+async def test_undecodable_bodies_get_400_not_500(engines, raw, needle):
+    es = await engines(1)
+    async with gateway_client(es) as (_, client):
+        resp = await client.post("/v1/completions", data=raw, headers={"Content-Type": "application/json"})
+        assert resp.status == 400
+        assert needle in (await resp.json())["error"]["message"]
+        assert es[0].received == []
+
+
 async def test_sse_is_relayed_without_buffering(engines):
     (e,) = await engines(1)
     e.gate = asyncio.Event()

@@ -247,6 +247,8 @@ class _PublisherState:
 
 
 _RECENT_SEQS = 4096
+_YIELD_EVERY = 64
+"""Messages received back to back before the receive loop lets other tasks run."""
 
 
 BatchHandler = Callable[[PodId, int, KVEventBatch], None]
@@ -334,6 +336,7 @@ class ZmqEventSubscriber:
     async def _receive(self, state: _PublisherState) -> None:
         if state.replay_endpoint:
             await self._replay_into(state, 0, None)
+        received = 0
         while True:
             try:
                 frames = await state.socket.recv_multipart()
@@ -343,6 +346,11 @@ class ZmqEventSubscriber:
                 logger.warning("event socket of %s failed: %s", state.pod, exc)
                 return
             await self.handle_frames(state.pod, frames)
+            received += 1
+            if received % _YIELD_EVERY == 0:
+                # A receive that finds a message queued completes without suspending: under a
+                # flood this loop would never hand the event loop to anything else.
+                await asyncio.sleep(0)
 
     async def handle_frames(self, pod: PodId, frames: list[bytes]) -> None:
         """Process one received multipart message from ``pod`` (public for fuzzing and tests)."""

@@ -69,7 +69,8 @@ def decode_body(body: bytes, cls: type[Any]) -> Any:
     """Parse a JSON body into ``cls``.
 
     Raises:
-        RequestError: not JSON, not an object, missing or mistyped fields.
+        RequestError: not JSON (or not UTF-8, or nested deeper than the decoder allows), not an
+            object, missing or mistyped fields.
     """
     if not body.strip():
         raise RequestError("request body is empty; expected a JSON object")
@@ -85,6 +86,10 @@ def decode_body(body: bytes, cls: type[Any]) -> Any:
         raise RequestError(f"invalid request: {message}", param=param) from exc
     except msgspec.DecodeError as exc:
         raise RequestError(f"invalid JSON body: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"invalid JSON body: not UTF-8: {exc}") from exc
+    except RecursionError as exc:
+        raise RequestError("invalid JSON body: nested too deeply") from exc
 
 
 def prompt_list(prompt: Any) -> list[str | list[int]]:

@@ -1,3 +1,4 @@
+# Over 450 lines: one Fleet owns every process it starts, restarts and stops (in reverse order); its settings live in fleet/config.py.
 """A fleet on one machine: N engines, the router, and the shared tier, as child processes.
 
 ::
@@ -168,6 +169,24 @@ class Fleet:
             await wait_until(proc, tcp_probe(HOST, port), 30, f"TCP {port}")
             self.store_url = f"{kind}://{HOST}:{port}"
 
+    @property
+    def store_process(self) -> ManagedProcess | None:
+        """The redis-server or valkey-server of ``shared="redis"|"valkey"`` (``None`` otherwise)."""
+        return self._store_proc
+
+    async def restart_shared_tier(self) -> None:
+        """Start the shared server again on its port (after it died or was killed); the new one is
+        empty. A no-op for the directory tier and for none."""
+        old = self._store_proc
+        if old is None:
+            return
+        await old.stop(self.config.stop_grace_s)
+        proc = ManagedProcess(old.name, old.argv, old.log_path)
+        proc.start()
+        self._store_proc = proc
+        port = int(old.argv[old.argv.index("--port") + 1])
+        await wait_until(proc, tcp_probe(HOST, port), 30, f"TCP {port}")
+
     async def reset_shared_tier(self) -> None:
         """Empty the shared tier (delete the directory's contents, or FLUSHALL the server)."""
         if self.config.shared == "dir" and self.store_url is not None:
@@ -291,6 +310,26 @@ class Fleet:
                 wait_until(e.process, http_probe(session, e.url + "/health"), timeout_s, "/health")
                 for e in self.engines
             )
+        )
+
+    async def restart_engine(self, index: int) -> None:
+        """Start engine ``index`` again with its command (same HTTP and event ports) after it died
+        or was killed, and wait for /health. Its device-tier cache starts empty and its event
+        sequence restarts at 0, so the router sees a publisher restart.
+
+        Raises:
+            ValueError: no such engine, or a vLLM fleet.
+        """
+        if self.config.engine != "kvmesh" or not 0 <= index < len(self.engines):
+            raise ValueError(f"restart_engine({index}): {len(self.engines)} kvmesh engines running")
+        handle = self.engines[index]
+        old = handle.process
+        await old.stop(self.config.stop_grace_s)
+        proc = ManagedProcess(old.name, old.argv, old.log_path, old.env)
+        proc.start()
+        handle.process = proc
+        await wait_until(
+            proc, http_probe(self._http(), handle.url + "/health"), self.config.health_timeout_s, "/health"
         )
 
     async def stop_engines(self) -> None:

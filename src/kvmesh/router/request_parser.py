@@ -105,6 +105,10 @@ class RequestParser:
             body = msgspec.json.decode(raw)
         except msgspec.DecodeError as exc:
             raise RequestError(f"request body is not valid JSON: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise RequestError(f"request body is not valid JSON: not UTF-8: {exc}") from exc
+        except RecursionError as exc:
+            raise RequestError("request body is not valid JSON: nested too deeply") from exc
         if not isinstance(body, dict):
             raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
         model = body.get("model")
