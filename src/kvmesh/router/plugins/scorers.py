@@ -287,8 +287,12 @@ class TTFTEstimateScorer:
         budget = self.max_batched_tokens
         share = max(budget - endpoint.running, budget * 0.1) / budget
         spt = self.seconds_per_token(endpoint) / share
-        start = min(cached, request.num_tokens - 1)  # a full hit still computes the last token
-        own = max(prefill_work(start, request.num_tokens, self.attention_context), 1.0)
+        num = request.num_tokens
+        if self.attention_context > 0:
+            start = min(cached, num - 1)  # a full hit still computes the last token
+            own = max(prefill_work(start, num, self.attention_context), 1.0)
+        else:
+            own = max(num - cached, 1)
         queue = max(endpoint.pending_prefill_tokens * spt, endpoint.waiting * self.queued_request_s)
         return transfer + queue + own * spt
 
