@@ -9,13 +9,3 @@ def test_all_is_sorted_and_complete():
         assert getattr(router, name) is not None
     public = {n for n in vars(router) if not n.startswith("_") and n[0].isupper()}
     assert public <= set(router.__all__), public - set(router.__all__)
-
-
-def test_plugin_protocols_are_exported():
-    import kvmesh.router.plugins as plugins
-
-    assert plugins.__all__ == sorted(plugins.__all__)
-    for name in plugins.__all__:
-        assert getattr(plugins, name) is not None
-    public = {n for n in vars(plugins) if not n.startswith("_") and n[0].isupper()}
-    assert public <= set(plugins.__all__), public - set(plugins.__all__)

@@ -7,3 +7,9 @@ files of the fleet's processes), one module per scenario family (:mod:`.fleet_fa
 :mod:`.corruption`, :mod:`.fuzz_events`, :mod:`.fuzz_http`, :mod:`.tenants`, :mod:`.soak`),
 :mod:`.harness` (runs them in order on one fleet) and :mod:`.report`.
 """
+
+from kvmesh.chaos.bounds import ScenarioResult
+
+# The harness (``kvmesh.chaos.harness.run``) and the report pull in aiohttp and the fleet: they are
+# imported where they run, so ``kvmesh --help`` stays fast.
+__all__ = ["ScenarioResult"]
