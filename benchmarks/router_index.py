@@ -6,9 +6,9 @@
   chained continuations and BlockRemoved evictions from 8 pods, applied by ``EventApplier`` to an
   ``InMemoryIndex``; reported as block events per second, from pre-decoded batches and from raw
   msgpack payloads (decode included).
-* score: one 8k-token prompt through ``Scheduler.pick`` with the ``precise`` preset over 8
-  endpoints, hashing included; cold (no pod holds block 0), half cached and fully cached; without
-  and with the key memo that ingestion fills (the router's default).
+* score: one 8k-token prompt (a u32 array, as the gateway passes it) through ``Scheduler.pick``
+  with the ``precise`` preset over 8 endpoints, hashing included; cold (no pod holds block 0), half
+  cached and fully cached; without and with the key memo that ingestion fills (the router's default).
 
 Times are CPU time of this process (``time.process_time``), so other load on a shared machine
 does not inflate them; ``--wall`` reports wall-clock time instead.
@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from kvmesh.core.events import BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch
-from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
+from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace, as_token_array
 from kvmesh.core.types import PodId
 from kvmesh.router.index import InMemoryIndex
 from kvmesh.router.ingest import EventApplier
@@ -94,7 +94,8 @@ def bench_ingest(algo: HashAlgo, n_batches: int) -> dict[str, float]:
 def bench_score(algo: HashAlgo, repeats: int) -> dict[str, float]:
     """Scheduler.pick on an 8k-token prompt; the index is built from BlockStored events."""
     rng = random.Random(1)
-    prompt = [rng.randrange(40_000) for _ in range(8192)]
+    # the gateway hands the scheduler its prompt as one u32 array, converted once per request
+    prompt = as_token_array([rng.randrange(40_000) for _ in range(8192)])
     ns = Namespace(MODEL)
     endpoints = [EndpointState(p, waiting=1, kv_cache_usage=0.2) for p in PODS]
     out: dict[str, float] = {}
@@ -105,7 +106,7 @@ def bench_score(algo: HashAlgo, repeats: int) -> dict[str, float]:
             index = InMemoryIndex()
             applier = EventApplier(index, model=MODEL, algo=algo, memo=memo)
             for pod, n in holders.items():
-                applier.apply(pod, BlockStored(list(range(n)), None, prompt[: n * BLOCK], BLOCK))
+                applier.apply(pod, BlockStored(list(range(n)), None, prompt[: n * BLOCK].tolist(), BLOCK))
             scheduler = Scheduler.from_config(
                 load_scheduler_config("precise"), index=index, hash_algo=algo, rng=random.Random(0), memo=memo
             )

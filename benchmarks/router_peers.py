@@ -330,7 +330,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="full (default), quick, loaded (llm-d's scaled shape), tight (loaded with half the KV)",
     )
     p.add_argument("--policies", default=",".join(KVMESH_PRESETS),
-                   help=f"kvmesh router presets, comma-separated (default: {','.join(KVMESH_PRESETS)})")  # fmt: skip
+                   help=f"kvmesh router presets or scheduler YAML files, comma-separated (default: {','.join(KVMESH_PRESETS)})")  # fmt: skip
     p.add_argument("--peers", default=",".join(PEER_ROUTERS),
                    help=f"peer routers, comma-separated, or none (default: {','.join(PEER_ROUTERS)})")  # fmt: skip
     p.add_argument("--workloads", default="shared-prefix,multi-turn")
@@ -345,7 +345,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.policies = [x for x in args.policies.split(",") if x]
     args.peers = [] if args.peers == "none" else [x for x in args.peers.split(",") if x]
     args.workloads = [x for x in args.workloads.split(",") if x]
-    for value, known, flag in ((args.policies, PRESET_NAMES, "--policies"), (args.peers, PEER_ROUTERS, "--peers"),
+    files = [x for x in args.policies if x not in PRESET_NAMES and Path(x).is_file()]
+    for value, known, flag in ((args.policies, (*PRESET_NAMES, *files), "--policies"), (args.peers, PEER_ROUTERS, "--peers"),
                                (args.workloads, ("shared-prefix", "multi-turn"), "--workloads")):  # fmt: skip
         unknown = sorted(set(value) - set(known))
         if unknown:

@@ -1,7 +1,8 @@
 """The default routing policy against llm-d's schedulers and load balancing, on the benchmark set.
 
     .venv/bin/python benchmarks/sim_policies.py [--workloads llmd-73,multi-turn,mooncake-synthetic,
-        mooncake-conversation] [--policies precise,llmd-precise,approximate,load] [--json out.json]
+        mooncake-conversation,llmd-73-scaled-tight] [--policies precise,llmd-precise,approximate,load]
+        [--seed N] [--json out.json]
 
 Every workload runs in the simulator (the real router scheduler, index and prefill ledger in virtual
 time) on 8 Qwen3-32B TP2 H100 pods, once per policy, and is checked against two bars:
@@ -18,6 +19,10 @@ Workloads:
   pod, so the live conversations fill most of the fleet's KV.
 - ``mooncake-synthetic`` / ``mooncake-conversation``: the Mooncake FAST'25 traces bundled in
   benchmarks/traces/, 3M KV tokens per pod (the issue's setup), arrivals as recorded.
+- ``llmd-73-scaled-tight``: llm-d's scaled shape (40 groups × 5 prompts of 6000+1200 tokens) with
+  half its KV, so the prefixes outgrow the fleet's KV (``router_peers.py --size tight``, simulated):
+  Poisson 15 QPS warm-up for 13 s (not reported), then 30 QPS for 12 s; gauges scraped every 1 s as
+  the live router does. ``--seed`` draws another arrival sequence (and the router's tie-breaks).
 """
 
 from __future__ import annotations
@@ -33,10 +38,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kvmesh.bench.presets import LLMD_SCALED_KV_CAPACITY, llmd_73_scaled
 from kvmesh.sim.fleet import FleetConfig, simulate
 from kvmesh.sim.presets import LLMD_73
 from kvmesh.sim.report import SimReport, build_report
-from kvmesh.workload import MooncakeTraceWorkload, MultiTurnWorkload, Workload
+from kvmesh.workload import MooncakeTraceWorkload, MultiTurnWorkload, SharedPrefixWorkload, Stage, Workload
 
 TRACES = Path(__file__).with_name("traces")
 BASELINES = ("load", "llmd-precise", "approximate")
@@ -70,6 +76,30 @@ def _multi_turn(policy: str) -> tuple[FleetConfig, Workload]:
     return dataclasses.replace(_h100(), policy=policy), workload
 
 
+def _llmd_73_scaled_tight(seed: int) -> Callable[[str], tuple[FleetConfig, Workload]]:
+    def build(policy: str) -> tuple[FleetConfig, Workload]:
+        preset = llmd_73_scaled("full", seed=seed).workload
+        assert isinstance(preset, SharedPrefixWorkload), "llmd_73_scaled builds a shared-prefix workload"
+        prompts = preset.num_groups * preset.num_prompts_per_group
+        workload = dataclasses.replace(
+            preset,
+            stages=[Stage(15.0, prompts / 15.0, warmup=True), Stage(30.0, 12.0)],
+            name="llmd-73-scaled-tight",
+        )
+        config = FleetConfig(
+            num_replicas=8,
+            model_preset="qwen3-32b-h100-tp2",
+            block_size=16,
+            kv_capacity_tokens=LLMD_SCALED_KV_CAPACITY // 2,
+            policy=policy,
+            metrics_interval_s=1.0,
+            seed=seed,
+        )
+        return config, workload
+
+    return build
+
+
 def _mooncake(name: str, max_requests: int | None) -> Callable[[str], tuple[FleetConfig, Workload]]:
     def build(policy: str) -> tuple[FleetConfig, Workload]:
         trace = TRACES / f"mooncake_{name}_trace.jsonl.gz"
@@ -81,9 +111,13 @@ def _mooncake(name: str, max_requests: int | None) -> Callable[[str], tuple[Flee
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", default="llmd-73,multi-turn,mooncake-synthetic,mooncake-conversation")
+    ap.add_argument(
+        "--workloads",
+        default="llmd-73,multi-turn,mooncake-synthetic,mooncake-conversation,llmd-73-scaled-tight",
+    )
     ap.add_argument("--policies", default="precise," + ",".join(BASELINES))
     ap.add_argument("--conversation-requests", type=int, default=None, help="first N lines (default all)")
+    ap.add_argument("--seed", type=int, default=0, help="llmd-73-scaled-tight's arrivals and tie-breaks")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     builders: dict[str, Callable[[str], tuple[FleetConfig, Workload]]] = {
@@ -91,6 +125,7 @@ def main() -> None:
         "multi-turn": _multi_turn,
         "mooncake-synthetic": _mooncake("synthetic", None),
         "mooncake-conversation": _mooncake("conversation", args.conversation_requests),
+        "llmd-73-scaled-tight": _llmd_73_scaled_tight(args.seed),
     }
     console = Console(width=150)
     policies = args.policies.split(",")

@@ -185,6 +185,22 @@ def test_approximate_prefix_learns_from_its_own_decisions():
     assert scores[first.endpoint] < 0.99
 
 
+def test_history_beyond_cache_scores_only_what_no_cache_holds():
+    cfg = single("prefix-cache-scorer", {"blockSize": 16, "beyondCache": True})
+    s = Scheduler.from_config(cfg)
+    (scorer,) = [w.scorer for w in s.profiles["default"].scorers]
+    scorer.observe(req(0), A)  # A was sent all 8 blocks of TOKENS
+    r = req(1)
+    r.prefix = PrefixMatch(8, 16, {})  # every cache lost them: A's history counts in full
+    assert scorer.score(r, eps(A, B)) == [1.0, 0.0]
+    r.prefix = PrefixMatch(8, 16, {B: PodMatch(6, {Medium.GPU: 6})})  # B still caches 6 of them
+    assert scorer.score(r, eps(A, B)) == [pytest.approx(2 / 8), 0.0]
+    r.prefix = PrefixMatch(8, 16, {B: PodMatch(8, {Medium.GPU: 8})})
+    assert scorer.score(r, eps(A, B)) == [0.0, 0.0]
+    with pytest.raises(ConfigError, match="beyondCache must be true or false"):
+        Scheduler.from_config(single("prefix-cache-scorer", {"beyondCache": "yes"}))
+
+
 def test_ttft_estimate_counts_queue_prefill_and_transfer():
     scorer = TTFTEstimateScorer(
         prefill_tokens_per_s=1000.0,

@@ -32,7 +32,7 @@ from itertools import repeat
 import numpy as np
 
 from kvmesh.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
-from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, BlockHasher, HashAlgo, Namespace
+from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, BlockHasher, HashAlgo, Namespace, as_token_array
 from kvmesh.core.types import BlockKey, ExternalBlockHash, Medium, PodId
 from kvmesh.router.chain_namespaces import ChainNamespaces
 from kvmesh.router.engine_blocks import align_match, warn_block_size_mismatch
@@ -40,7 +40,6 @@ from kvmesh.router.index import MEDIUM_BITS, BlockIndex, MediumSet
 from kvmesh.router.ingest_stats import IngestStats
 from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.kv_groups import GroupVerdict, KVGroupSelector
-from kvmesh.router.prefix import as_token_array
 from kvmesh.router.types import PrefixMatch
 
 logger = logging.getLogger(__name__)

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import collections
 import itertools
-import sys
-from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from kvmesh.core.hashing import BlockHasher
+from kvmesh.core.hashing import BlockHasher, as_token_array
 from kvmesh.core.types import BlockKey, Medium, PodId
 from kvmesh.router.index import BlockIndex, Holders, MediumSet, best_medium
 from kvmesh.router.keymemo import BlockKeyMemo
@@ -29,25 +27,6 @@ DEFAULT_TIER_WEIGHTS: dict[Medium, float] = {
 """How much one cached block is worth by tier, relative to a device-resident block."""
 
 _FIRST_GROUP = 2
-_FAST_U32 = array("I").itemsize == 4 and sys.byteorder == "little"
-
-
-def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Token ids as a little-endian u32 array, converted once (5x faster than ``np.asarray`` on lists).
-
-    Raises:
-        ValueError: an id is not an integer in [0, 2^32).
-    """
-    if isinstance(tokens, np.ndarray):
-        return tokens
-    if _FAST_U32:
-        try:
-            return np.frombuffer(array("I", tokens), dtype="<u4")
-        except (OverflowError, TypeError) as exc:
-            raise ValueError(f"token ids must be integers in [0, 2^32): {exc}") from exc
-    return np.asarray(tokens, dtype="<u4")
-
-
 _MAX_GROUP = 128
 _HEAD_BLOCKS = 2
 

@@ -21,10 +21,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvmesh.core.hashing import Namespace
+from kvmesh.core.hashing import Namespace, as_token_array
 from kvmesh.core.tenancy import CACHE_SALT_FIELD, SESSION_HEADER, resolve_tenant
 from kvmesh.errors import RequestError
-from kvmesh.router.prefix import as_token_array
 from kvmesh.router.tokenize import PromptTokenizer
 from kvmesh.router.types import RoutingRequest
 

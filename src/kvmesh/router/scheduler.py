@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, BlockHasher, HashAlgo, Namespace
+from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, BlockHasher, HashAlgo, Namespace, as_token_array
 from kvmesh.core.types import PodId
 from kvmesh.errors import ConfigError
 from kvmesh.router.index import BlockIndex
@@ -232,6 +232,8 @@ class Scheduler:
 
     def _prepare(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[EndpointState]:
         """Fill ``request.prefix`` from the index if needed; return the healthy endpoints."""
+        if isinstance(request.tokens, list):  # once here, not in every hasher that reads them
+            request.tokens = as_token_array(request.tokens)
         if request.prefix is None:
             request.prefix = self.match(request)
         return endpoints if all(map(_HEALTHY, endpoints)) else [e for e in endpoints if e.healthy]

@@ -122,6 +122,14 @@ class Params:
             raise ConfigError(f"plugin {self.plugin!r}: {key} must be >= {minimum}, got {value}")
         return value
 
+    def boolean(self, key: str, default: bool) -> bool:
+        """A true/false parameter."""
+        value = self.raw.get(key, default)
+        self._used.add(key)
+        if not isinstance(value, bool):
+            raise ConfigError(f"plugin {self.plugin!r}: {key} must be true or false, got {value!r}")
+        return value
+
     def string(self, key: str, default: str) -> str:
         """A string parameter."""
         value = self.raw.get(key, default)

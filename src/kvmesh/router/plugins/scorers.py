@@ -77,6 +77,12 @@ class ApproximatePrefixScorer:
 
     Every routed prompt's blocks (of ``block_size`` tokens, its own granularity) are remembered
     for the chosen endpoint in an LRU of ``capacity`` blocks.
+
+    With ``beyond_cache`` it scores only the part of the remembered prefix that no endpoint's cache
+    holds now (``request.prefix``, from the event-fed index): where every cache has lost a prefix,
+    it goes back to the endpoint it was sent to before, so prefixes that outgrow the fleet's KV stay
+    partitioned over the endpoints instead of landing wherever is idlest and evicting others; where
+    a cache still holds it, the precise scorer alone decides.
     """
 
     scores_in_unit_range: ClassVar[bool] = True
@@ -85,6 +91,7 @@ class ApproximatePrefixScorer:
     block_size: int
     capacity: int
     algo: HashAlgo = HashAlgo.XXH3
+    beyond_cache: bool = False
     _history: OrderedDict[BlockKey, dict[PodId, None]] = field(default_factory=OrderedDict)
     _hashers: dict[Namespace, BlockHasher] = field(default_factory=dict)
     _last: tuple[str, list[BlockKey]] | None = None
@@ -118,7 +125,14 @@ class ApproximatePrefixScorer:
             for pod in alive:
                 matched[pod] = depth + 1
         total = len(keys)
-        return [matched.get(e.pod, 0) / total for e in endpoints]
+        if not self.beyond_cache:
+            return [matched.get(e.pod, 0) / total for e in endpoints]
+        prefix = request.prefix
+        cached = 0.0
+        if prefix is not None and prefix.pods:
+            held = max(m.num_blocks for m in prefix.pods.values())
+            cached = held * prefix.block_size / self.block_size
+        return [max(matched.get(e.pod, 0) - cached, 0.0) / total for e in endpoints]
 
     def observe(self, request: RoutingRequest, pod: PodId) -> None:
         history = self._history
@@ -321,6 +335,7 @@ def make_approximate_prefix_scorer(name: str, params: Params, ctx: PluginContext
         block_size=params.integer("blockSize", 64, minimum=1),
         capacity=params.integer("lruCapacity", 500_000, minimum=1),
         algo=HashAlgo(params.string("hashAlgo", HashAlgo.XXH3.value)),
+        beyond_cache=params.boolean("beyondCache", False),
     )
 
 
