@@ -197,6 +197,10 @@ def test_history_beyond_cache_scores_only_what_no_cache_holds():
     assert scorer.score(r, eps(A, B)) == [pytest.approx(2 / 8), 0.0]
     r.prefix = PrefixMatch(8, 16, {B: PodMatch(8, {Medium.GPU: 8})})
     assert scorer.score(r, eps(A, B)) == [0.0, 0.0]
+    scorer.observe(r, B)  # B's cache holds it whole: the index knows, the history records nothing
+    lost = req(2)
+    lost.prefix = PrefixMatch(8, 16, {})
+    assert scorer.score(lost, eps(A, B)) == [1.0, 0.0]
     with pytest.raises(ConfigError, match="beyondCache must be true or false"):
         Scheduler.from_config(single("prefix-cache-scorer", {"beyondCache": "yes"}))
 
@@ -374,6 +378,19 @@ def test_bad_configs_are_rejected_with_a_message(config, message):
 def test_unknown_preset_or_file():
     with pytest.raises(ConfigError, match="not a preset"):
         load_scheduler_config("fastest")
+
+
+@pytest.mark.parametrize("arity", [1, 2, 3, 4, 5])
+def test_combined_scores_are_the_weighted_mean_at_every_arity(arity):
+    from kvmesh.router.scheduler import combine_scores
+
+    rng = random.Random(arity)
+    columns = [[rng.random() for _ in range(6)] for _ in range(arity)]
+    weights = [rng.uniform(0.01, 3.0) for _ in range(arity)]
+    expected = [
+        sum(w * col[i] for w, col in zip(weights, columns, strict=True)) / sum(weights) for i in range(6)
+    ]
+    assert combine_scores(columns, weights, 6) == pytest.approx(expected, rel=1e-12)
 
 
 def test_out_of_range_scores_are_clamped_unless_the_scorer_promises_the_range():

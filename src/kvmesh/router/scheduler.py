@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, BlockHasher, HashAlgo, Namespace, as_token_array
+from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, BlockHasher, HashAlgo, Namespace
 from kvmesh.core.types import PodId
 from kvmesh.errors import ConfigError
 from kvmesh.router.index import BlockIndex
@@ -232,8 +232,6 @@ class Scheduler:
 
     def _prepare(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[EndpointState]:
         """Fill ``request.prefix`` from the index if needed; return the healthy endpoints."""
-        if isinstance(request.tokens, list):  # once here, not in every hasher that reads them
-            request.tokens = as_token_array(request.tokens)
         if request.prefix is None:
             request.prefix = self.match(request)
         return endpoints if all(map(_HEALTHY, endpoints)) else [e for e in endpoints if e.healthy]
@@ -341,6 +339,11 @@ def combine_scores(columns: list[list[float]], weights: list[float], n: int) -> 
     div = weight_sum if weight_sum > 0 else 1.0
     # Every total is summed left to right from 0.0 and divided once, whatever the arity; the
     # common arities are spelled out because they run once per routed request.
+    if len(columns) == 4:
+        (a, b, c, d), (wa, wb, wc, wd) = columns, weights
+        return [
+            (0.0 + wa * x + wb * y + wc * z + wd * v) / div for x, y, z, v in zip(a, b, c, d, strict=True)
+        ]
     if len(columns) == 3:
         (a, b, c), (wa, wb, wc) = columns, weights
         return [(0.0 + wa * x + wb * y + wc * z) / div for x, y, z in zip(a, b, c, strict=True)]

@@ -14,7 +14,7 @@ from kvmesh.errors import ConfigError
 from kvmesh.router.plugins.base import Params, PluginContext, Scorer
 from kvmesh.router.prefill_ledger import prefill_work
 from kvmesh.router.prefix import DEFAULT_TIER_WEIGHTS, weighted_blocks
-from kvmesh.router.types import EndpointState, RoutingRequest
+from kvmesh.router.types import EndpointState, PrefixMatch, RoutingRequest
 
 
 def _tier_map(
@@ -82,7 +82,8 @@ class ApproximatePrefixScorer:
     holds now (``request.prefix``, from the event-fed index): where every cache has lost a prefix,
     it goes back to the endpoint it was sent to before, so prefixes that outgrow the fleet's KV stay
     partitioned over the endpoints instead of landing wherever is idlest and evicting others; where
-    a cache still holds it, the precise scorer alone decides.
+    a cache still holds it, the precise scorer alone decides. A prompt some cache holds whole is then
+    neither hashed nor recorded (the index knows where it is).
     """
 
     scores_in_unit_range: ClassVar[bool] = True
@@ -95,6 +96,19 @@ class ApproximatePrefixScorer:
     _history: OrderedDict[BlockKey, dict[PodId, None]] = field(default_factory=OrderedDict)
     _hashers: dict[Namespace, BlockHasher] = field(default_factory=dict)
     _last: tuple[str, list[BlockKey]] | None = None
+    _whole: tuple[PrefixMatch | None, bool] | None = None
+
+    def _cached_whole(self, request: RoutingRequest) -> bool:
+        """Some cache holds every history block of the prompt (asked by score, then by observe)."""
+        prefix = request.prefix
+        if self._whole is not None and self._whole[0] is prefix:
+            return self._whole[1]
+        whole = False
+        if self.beyond_cache and prefix is not None and prefix.pods:
+            held = max(m.num_blocks for m in prefix.pods.values()) * prefix.block_size
+            whole = held >= request.num_tokens // self.block_size * self.block_size
+        self._whole = (prefix, whole)
+        return whole
 
     def _keys(self, request: RoutingRequest) -> list[BlockKey]:
         if self._last is not None and self._last[0] == request.request_id:
@@ -109,6 +123,8 @@ class ApproximatePrefixScorer:
         return keys
 
     def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
+        if self._cached_whole(request):
+            return [0.0] * len(endpoints)
         keys = self._keys(request)
         if not keys:
             return [0.0] * len(endpoints)
@@ -135,6 +151,8 @@ class ApproximatePrefixScorer:
         return [max(matched.get(e.pod, 0) - cached, 0.0) / total for e in endpoints]
 
     def observe(self, request: RoutingRequest, pod: PodId) -> None:
+        if self._cached_whole(request):
+            return
         history = self._history
         for key in self._keys(request):
             holders = history.get(key)
