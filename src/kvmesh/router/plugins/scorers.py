@@ -96,19 +96,24 @@ class ApproximatePrefixScorer:
     _history: OrderedDict[BlockKey, dict[PodId, None]] = field(default_factory=OrderedDict)
     _hashers: dict[Namespace, BlockHasher] = field(default_factory=dict)
     _last: tuple[str, list[BlockKey]] | None = None
-    _whole: tuple[PrefixMatch | None, bool] | None = None
+    _cached: tuple[PrefixMatch | None, float] = (None, 0.0)
+
+    def _cached_blocks(self, request: RoutingRequest) -> float:
+        """With ``beyond_cache``: the longest prefix any cache holds, in history blocks (else 0).
+        Asked by score, then by observe, of the same match."""
+        prefix = request.prefix
+        if self._cached[0] is prefix:
+            return self._cached[1]
+        cached = 0.0
+        if self.beyond_cache and prefix is not None and prefix.pods:
+            held = max(m.num_blocks for m in prefix.pods.values())
+            cached = held * prefix.block_size / self.block_size
+        self._cached = (prefix, cached)
+        return cached
 
     def _cached_whole(self, request: RoutingRequest) -> bool:
-        """Some cache holds every history block of the prompt (asked by score, then by observe)."""
-        prefix = request.prefix
-        if self._whole is not None and self._whole[0] is prefix:
-            return self._whole[1]
-        whole = False
-        if self.beyond_cache and prefix is not None and prefix.pods:
-            held = max(m.num_blocks for m in prefix.pods.values()) * prefix.block_size
-            whole = held >= request.num_tokens // self.block_size * self.block_size
-        self._whole = (prefix, whole)
-        return whole
+        cached = self._cached_blocks(request)
+        return cached > 0 and cached >= request.num_tokens // self.block_size
 
     def _keys(self, request: RoutingRequest) -> list[BlockKey]:
         if self._last is not None and self._last[0] == request.request_id:
@@ -141,13 +146,7 @@ class ApproximatePrefixScorer:
             for pod in alive:
                 matched[pod] = depth + 1
         total = len(keys)
-        if not self.beyond_cache:
-            return [matched.get(e.pod, 0) / total for e in endpoints]
-        prefix = request.prefix
-        cached = 0.0
-        if prefix is not None and prefix.pods:
-            held = max(m.num_blocks for m in prefix.pods.values())
-            cached = held * prefix.block_size / self.block_size
+        cached = self._cached_blocks(request)
         return [max(matched.get(e.pod, 0) - cached, 0.0) / total for e in endpoints]
 
     def observe(self, request: RoutingRequest, pod: PodId) -> None:
