@@ -25,6 +25,7 @@ from rich.console import Console
 
 from kvmesh.bench.compare import run_on_fleet
 from kvmesh.bench.metrics import RunResult
+from kvmesh.bench.presets import SMOLLM2_VOCAB
 from kvmesh.bench.report import describe_ratio
 from kvmesh.bench.runner import RunOptions
 from kvmesh.fleet import Fleet, FleetConfig, SharedTier
@@ -65,7 +66,7 @@ def workload(quick: bool) -> SharedPrefixWorkload:
         question_len=QUESTION_LEN,
         output_len=OUTPUT_LEN,
         num_requests=CYCLES * NUM_GROUPS * per_group,
-        vocab_size=49_152,
+        vocab_size=SMOLLM2_VOCAB,
         seed=1,
         name="demo-vllm-shared-prefix",
     )

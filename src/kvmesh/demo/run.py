@@ -28,7 +28,7 @@ from rich.table import Table
 
 from kvmesh.bench.compare import compare_policies, run_on_fleet
 from kvmesh.bench.metrics import RunResult
-from kvmesh.bench.presets import llmd_73_scaled
+from kvmesh.bench.presets import SMOLLM2_VOCAB, llmd_73_scaled
 from kvmesh.bench.report import (
     compare_table,
     describe_ratio,
@@ -114,7 +114,7 @@ def real_workload(quick: bool, num_replicas: int) -> SharedPrefixWorkload:
         question_len=REAL_QUESTION_LEN,
         output_len=REAL_OUTPUT_LEN,
         num_requests=cycles * groups * per_group,
-        vocab_size=49_152,
+        vocab_size=SMOLLM2_VOCAB,
         seed=1,
         name="demo-shared-prefix",
     )
