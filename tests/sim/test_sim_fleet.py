@@ -9,6 +9,7 @@ from sim_helpers import ListWorkload, spec, tokens
 
 from kvmesh.engine.cost_model import CostModel, get_preset
 from kvmesh.errors import ConfigError
+from kvmesh.router.types import EndpointState, RoutingRequest
 from kvmesh.sim.fleet import FleetConfig, FleetSimulation, simulate
 from kvmesh.sim.report import build_report
 from kvmesh.sim.routing import resolve_policy, with_cost_model_prior
@@ -197,3 +198,22 @@ def test_one_gateway_is_the_default_and_zero_is_refused():
     assert fleet("precise").gateways == 1
     with pytest.raises(ConfigError, match="gateways"):
         fleet("precise", gateways=0)
+
+
+def test_the_router_learns_what_the_shared_tier_holds_and_loads_past_a_busy_holder():
+    prompt = tokens(7, 2048)
+    sim = FleetSimulation(fleet("precise", n=2, shared_tier="redis"))
+    run = sim.run(ListWorkload([spec(0, 0.0, prompt, 4)]))
+    holder = run.replicas[run.requests[0].replica]
+    other = next(r for r in run.replicas if r is not holder)
+    router = run.router
+    request = RoutingRequest("probe", prompt + tokens(8, 64), router.namespace)
+    request.prefix = router.scheduler.match(request)
+    # the replica announced its write: every endpoint can load the prompt's 256-token chunks
+    shared = request.prefix.shared
+    assert shared is not None and shared.num_blocks * 16 == 2048
+    assert request.prefix.match_of(other.pod) is shared
+    idle = [EndpointState(r.pod) for r in run.replicas]
+    assert router.scheduler.rank(request, idle)[0] == holder.pod  # on its device beats loading
+    busy = [EndpointState(r.pod, pending_prefill_tokens=100_000 if r is holder else 0) for r in run.replicas]
+    assert router.scheduler.rank(request, busy)[0] == other.pod  # loading beats its queue

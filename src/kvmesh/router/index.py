@@ -42,6 +42,13 @@ for _mask in range(1, 16):
 
 DEFAULT_INDEX_CAPACITY = 2_000_000
 
+SHARED_TIER_HOLDER = PodId("kvmesh/shared-tier")
+"""The index's holder of blocks in the fleet's shared tier (Redis, Valkey, a shared directory).
+
+Any pod may announce such blocks (events with ``medium: SHARED``); every endpoint can load them, so
+they are held once, by this pseudo-pod, and :func:`kvmesh.router.prefix.match_prefix_keys` extends
+every endpoint's match with them. It is never an endpoint."""
+
 
 def medium_set(*media: Medium) -> MediumSet:
     """Pack tiers into a :data:`MediumSet`."""

@@ -12,6 +12,9 @@ That map serves three purposes:
 * BlockRemoved events (which carry no tokens) name our keys;
 * BlockStored events for offload tiers that carry no tokens add a tier to known blocks.
 
+Blocks in the fleet's shared tier (``medium: SHARED``, from any pod) are held by one pseudo-pod,
+:data:`~kvmesh.router.index.SHARED_TIER_HOLDER`, with its own map: every endpoint can load them.
+
 The namespace of a chain comes from its first block (:mod:`kvmesh.router.chain_namespaces`).
 Each pod's map is bounded; when it overflows, the oldest blocks leave the index too, so the
 router never keeps an entry it could no longer remove.
@@ -36,7 +39,7 @@ from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, BlockHasher, HashAlgo, Names
 from kvmesh.core.types import BlockKey, ExternalBlockHash, Medium, PodId
 from kvmesh.router.chain_namespaces import ChainNamespaces
 from kvmesh.router.engine_blocks import align_match, warn_block_size_mismatch
-from kvmesh.router.index import MEDIUM_BITS, BlockIndex, MediumSet
+from kvmesh.router.index import MEDIUM_BITS, SHARED_TIER_HOLDER, BlockIndex, MediumSet
 from kvmesh.router.ingest_stats import IngestStats
 from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.kv_groups import GroupVerdict, KVGroupSelector
@@ -48,6 +51,8 @@ DEFAULT_MAX_BLOCKS_PER_POD = 1_000_000
 
 _Entry = tuple[BlockKey, int, int]
 """(our key, namespace id, MediumSet bits); for an expanded engine block, its last sub-key"""
+
+_SHARED_BIT = MEDIUM_BITS[Medium.SHARED]
 
 _SubKeys = dict[ExternalBlockHash, tuple[BlockKey, ...]]
 """Per pod: the router keys of each engine block larger than a router block."""
@@ -235,12 +240,18 @@ class EventApplier:
         n = len(hashes)
         if n == 0:
             return
+        bits = MEDIUM_BITS[Medium.parse(ev.medium)]
+        origin = pod
+        if bits == _SHARED_BIT:
+            if not ev.token_ids:
+                self._add_shared(pod, hashes)
+                return
+            pod = SHARED_TIER_HOLDER
         verdict = self._groups.admit_stored(pod, ev)
         if verdict is GroupVerdict.SKIP:
             return
         if verdict is GroupVerdict.SWITCH:
             self._drop_blocks(pod)
-        bits = MEDIUM_BITS[Medium.parse(ev.medium)]
         blocks = self._pods.get(pod)
         if blocks is None:
             blocks = self._pods[pod] = {}
@@ -252,12 +263,12 @@ class EventApplier:
         engine_bs = ev.block_size
         self._block_sizes[pod] = engine_bs
         if engine_bs != bs:
-            self._stored_resized(pod, ev, blocks, bits)
+            self._stored_resized(pod, ev, blocks, bits, self._pods.get(origin))
             return
         token_array = self._event_tokens(tokens, n * bs)
         if token_array is None:
             return
-        chain = self._chain_keys(ev, blocks, token_array, n)
+        chain = self._chain_keys(ev, blocks, token_array, n, self._pods.get(origin))
         if chain is None:
             return
         parent_key, ns_id, keys = chain
@@ -296,14 +307,18 @@ class EventApplier:
         blocks: dict[ExternalBlockHash, _Entry],
         token_array: np.ndarray,
         num_keys: int,
+        publisher_blocks: dict[ExternalBlockHash, _Entry] | None = None,
     ) -> tuple[BlockKey, int, list[BlockKey]] | None:
         """Router keys of ``num_keys`` router blocks of ``token_array``, chained from the event's
         root or from its parent's entry, as (parent key, namespace id, keys); ``None`` (counted) when
-        the parent is unknown."""
+        the parent is unknown. A shared-tier chain may continue from a block its publisher announced
+        in its own tiers (``publisher_blocks``)."""
         if ev.parent_block_hash is None:
             hasher, ns_id = self._namespaces.hasher_of_chain(ev)
             return hasher.root, ns_id, hasher.hash_blocks(token_array, None, num_keys)
         parent = blocks.get(ev.parent_block_hash)
+        if parent is None and publisher_blocks is not None:
+            parent = publisher_blocks.get(ev.parent_block_hash)
         if parent is None:
             self.stats.num_orphans += 1
             return None
@@ -312,7 +327,12 @@ class EventApplier:
         return parent[0], ns_id, hasher.hash_blocks(token_array, parent[0], num_keys)
 
     def _stored_resized(
-        self, pod: PodId, ev: BlockStored, blocks: dict[ExternalBlockHash, _Entry], bits: int
+        self,
+        pod: PodId,
+        ev: BlockStored,
+        blocks: dict[ExternalBlockHash, _Entry],
+        bits: int,
+        publisher_blocks: dict[ExternalBlockHash, _Entry] | None,
     ) -> None:
         """A BlockStored whose engine block size differs from the router's."""
         bs = self.block_size
@@ -342,7 +362,7 @@ class EventApplier:
                 per,
             )
         # An expanded parent's entry holds its last sub-key: the chain value after its tokens.
-        chain = self._chain_keys(ev, blocks, token_array, n * per)
+        chain = self._chain_keys(ev, blocks, token_array, n * per, publisher_blocks)
         if chain is None:
             return
         parent_key, ns_id, keys = chain
@@ -390,6 +410,8 @@ class EventApplier:
             self.stats.num_blocks_stored += num_added
 
     def _removed(self, pod: PodId, ev: BlockRemoved) -> None:
+        if ev.medium and Medium.parse(ev.medium) is Medium.SHARED:
+            pod = SHARED_TIER_HOLDER
         if not self._groups.admit_removed(pod, ev.group_idx):
             return
         blocks = self._pods.get(pod)
@@ -420,6 +442,36 @@ class EventApplier:
         if keys:
             self.index.remove(keys, pod, MediumSet(bits))
             self.stats.num_blocks_removed += num_removed
+
+    def _add_shared(self, pod: PodId, hashes: Sequence[ExternalBlockHash]) -> None:
+        """``pod`` wrote blocks it announced before to the shared tier (an event without tokens):
+        they move to the shared tier's holder under the same engine hashes."""
+        known = self._pods.get(pod)
+        if known is None:
+            self.stats.num_unknown_hashes += len(hashes)
+            return
+        shared = self._pods.setdefault(SHARED_TIER_HOLDER, {})
+        sub = self._sub_keys.get(pod)
+        keys: list[BlockKey] = []
+        num_added = 0
+        for h in hashes:
+            entry = known.get(h)
+            if entry is None:
+                self.stats.num_unknown_hashes += 1
+                continue
+            shared[h] = (entry[0], entry[1], _SHARED_BIT)
+            expanded = None if sub is None else sub.get(h)
+            if expanded is None:
+                keys.append(entry[0])
+            else:
+                self._sub_keys.setdefault(SHARED_TIER_HOLDER, {})[h] = expanded
+                keys.extend(expanded)
+            num_added += 1
+        if keys:
+            self.index.add(keys, SHARED_TIER_HOLDER, MediumSet(_SHARED_BIT))
+            self.stats.num_blocks_stored += num_added
+            if len(shared) > self.max_blocks_per_pod:
+                self._overflow(SHARED_TIER_HOLDER, shared)
 
     def _overflow(self, pod: PodId, blocks: dict[ExternalBlockHash, _Entry]) -> None:
         excess = len(blocks) - self.max_blocks_per_pod

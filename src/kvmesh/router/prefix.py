@@ -14,7 +14,7 @@ import numpy as np
 
 from kvmesh.core.hashing import BlockHasher, as_token_array
 from kvmesh.core.types import BlockKey, Medium, PodId
-from kvmesh.router.index import BlockIndex, Holders, MediumSet, best_medium
+from kvmesh.router.index import SHARED_TIER_HOLDER, BlockIndex, Holders, MediumSet, best_medium
 from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.types import PodMatch, PrefixMatch
 
@@ -141,18 +141,35 @@ def match_prefix_keys(
                 if mixed
                 else PodMatch(total, {best_medium(first): total})
             )
-        return result
-    for pod, first in holders_chain[0].items():
-        # Long chains: map/takewhile keep the per-block work in C.
-        masks: list[MediumSet] = list(
-            itertools.takewhile(bool, map(dict.get, holders_chain, itertools.repeat(pod)))  # type: ignore[arg-type]
-        )
-        total = len(masks)
-        if masks.count(first) == total:
-            pods[pod] = PodMatch(total, {best_medium(first): total})
-        else:
-            pods[pod] = _tier_counts(holders_chain, pod, total)
+    else:
+        for pod, first in holders_chain[0].items():
+            # Long chains: map/takewhile keep the per-block work in C.
+            masks: list[MediumSet] = list(
+                itertools.takewhile(bool, map(dict.get, holders_chain, itertools.repeat(pod)))  # type: ignore[arg-type]
+            )
+            total = len(masks)
+            if masks.count(first) == total:
+                pods[pod] = PodMatch(total, {best_medium(first): total})
+            else:
+                pods[pod] = _tier_counts(holders_chain, pod, total)
+    shared = pods.pop(SHARED_TIER_HOLDER, None)
+    if shared is not None:
+        _extend_with_shared(result, shared)
     return result
+
+
+def _extend_with_shared(result: PrefixMatch, shared: PodMatch) -> None:
+    """Record the shared tier's match and run every shorter pod match on through it: an engine
+    uses what it finds on its device, then loads what the shared tier holds beyond that. Only the
+    shared tier's run from the prompt's start counts, because a store serves prefixes (its lookup
+    stops at the first chunk it lacks)."""
+    shared.blocks_by_tier = {Medium.SHARED: shared.num_blocks}
+    result.shared = shared
+    for match in result.pods.values():
+        extra = shared.num_blocks - match.num_blocks
+        if extra > 0:
+            match.num_blocks = shared.num_blocks
+            match.blocks_by_tier[Medium.SHARED] = match.blocks_by_tier.get(Medium.SHARED, 0) + extra
 
 
 _SHORT_CHAIN = 24

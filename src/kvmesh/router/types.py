@@ -70,17 +70,33 @@ class PrefixMatch:
     Attributes:
         num_blocks: full blocks in the prompt.
         block_size: tokens per block.
-        pods: pods holding at least the first block.
+        pods: pods holding at least the first block; a pod's match already runs on through the
+            blocks of the shared tier it could load (counted under ``Medium.SHARED``).
+        shared: the prefix the fleet's shared tier holds, which every endpoint can load; ``None``
+            when it holds none of it.
     """
 
     num_blocks: int
     block_size: int
     pods: dict[PodId, PodMatch] = field(default_factory=dict)
+    shared: PodMatch | None = None
+
+    def match_of(self, pod: PodId) -> PodMatch | None:
+        """What ``pod`` can use: its own match, else the shared tier's."""
+        match = self.pods.get(pod)
+        return self.shared if match is None else match
 
     def hit_tokens(self, pod: PodId) -> int:
-        """Prompt tokens ``pod`` holds as a prefix."""
-        match = self.pods.get(pod)
+        """Prompt tokens ``pod`` holds as a prefix or can load from the shared tier."""
+        match = self.match_of(pod)
         return 0 if match is None else match.num_blocks * self.block_size
+
+    def longest_blocks(self) -> int:
+        """The longest prefix any pod or the shared tier holds, in blocks."""
+        longest = 0 if self.shared is None else self.shared.num_blocks
+        for match in self.pods.values():
+            longest = max(longest, match.num_blocks)
+        return longest
 
 
 @dataclass(slots=True)

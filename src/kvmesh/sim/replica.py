@@ -21,10 +21,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvmesh.core.events import KVEvent
-from kvmesh.core.types import PodId
+from kvmesh.core.events import BlockStored, KVEvent
+from kvmesh.core.types import Medium, PodId
 from kvmesh.engine.cost_model import CostModel
-from kvmesh.engine.prefix_cache import PrefixCache
+from kvmesh.engine.prefix_cache import PrefixCache, engine_block_hash
 from kvmesh.engine.step_scheduler import (
     BatchLimits,
     Release,
@@ -350,7 +350,22 @@ class SimReplica:
             self.stats.itl_times.append(now)
             req.preempted_at = -1.0
         if self.tiers.enabled:
-            self.tiers.write_prefix(req.keys, req.prompt, now)
+            shared_tokens = self.tiers.write_prefix(req.keys, req.prompt, now)
+            if shared_tokens:
+                self._announce_shared(req, shared_tokens)
+
+    def _announce_shared(self, req: SimRequest, num_tokens: int) -> None:
+        """Tell the router the shared tier holds ``req``'s first ``num_tokens`` (as the engine does
+        once its write has landed), so every endpoint is credited with loading them."""
+        n = num_tokens // self.block_size
+        event = BlockStored(
+            block_hashes=[engine_block_hash(key) for key in req.keys[:n]],
+            parent_block_hash=None,
+            token_ids=list(req.prompt[: n * self.block_size]),
+            block_size=self.block_size,
+            medium=Medium.SHARED.value,
+        )
+        self.on_events(self.pod, [event])
 
     def on_release(self, req: SimRequest, why: Release) -> None:
         if why is Release.PREEMPTED:

@@ -185,18 +185,26 @@ class TierStack:
             self.stats.shared_read_bytes += num_bytes
         return cpu_tokens, shared_tokens, ready
 
-    def write_prefix(self, block_keys: list[BlockKey], tokens: Sequence[int], now: float) -> None:
-        """Write-through of a computed prompt's full chunks (asynchronous: loads links, delays nothing)."""
+    def write_prefix(self, block_keys: list[BlockKey], tokens: Sequence[int], now: float) -> int:
+        """Write-through of a computed prompt's full chunks (asynchronous: loads links, delays nothing).
+
+        Returns:
+            Prompt tokens the shared tier holds from the start once it took new chunks of this
+            prompt (what the engine announces to the router); 0 when it took none.
+        """
         chunks = self.chunk_keys(block_keys)
         if not chunks:
-            return
+            return 0
         if self.cpu is not None:
             self.stats.cpu_write_chunks += _insert(self.cpu, self.name, chunks, tokens)
         shared = self.shared
-        if shared is not None:
-            added = _insert(shared.cache, self.name, chunks, tokens)
-            if added:
-                num_bytes = added * self.chunk_size * self.kv_bytes_per_token
-                path_transfer(now, num_bytes, self.tx, shared.rx)
-                self.stats.shared_write_chunks += added
-                self.stats.shared_write_bytes += num_bytes
+        if shared is None:
+            return 0
+        added = _insert(shared.cache, self.name, chunks, tokens)
+        if not added:
+            return 0
+        num_bytes = added * self.chunk_size * self.kv_bytes_per_token
+        path_transfer(now, num_bytes, self.tx, shared.rx)
+        self.stats.shared_write_chunks += added
+        self.stats.shared_write_bytes += num_bytes
+        return shared.cache.match(chunks) * self.chunk_size

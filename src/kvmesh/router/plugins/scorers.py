@@ -56,17 +56,18 @@ class PrecisePrefixScorer:
 
     def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
         prefix = request.prefix
-        if prefix is None or prefix.num_blocks == 0 or not prefix.pods:
+        if prefix is None or prefix.num_blocks == 0 or not (prefix.pods or prefix.shared):
             return [0.0] * len(endpoints)
         total = prefix.num_blocks
         pods = prefix.pods
         weights = self.tier_weights
+        shared = 0.0 if prefix.shared is None else weighted_blocks(prefix.shared, weights) / total
         if len(pods) == 1:  # often the answer under prefix-aware routing: one pod holds it
             ((holder, held),) = pods.items()
             only = weighted_blocks(held, weights) / total
-            return [only if e.pod == holder else 0.0 for e in endpoints]
+            return [only if e.pod == holder else shared for e in endpoints]
         return [
-            0.0 if (match := pods.get(e.pod)) is None else weighted_blocks(match, weights) / total
+            shared if (match := pods.get(e.pod)) is None else weighted_blocks(match, weights) / total
             for e in endpoints
         ]
 
@@ -79,7 +80,8 @@ class ApproximatePrefixScorer:
     for the chosen endpoint in an LRU of ``capacity`` blocks.
 
     With ``beyond_cache`` it scores only the part of the remembered prefix that no endpoint's cache
-    holds now (``request.prefix``, from the event-fed index): where every cache has lost a prefix,
+    (nor the shared tier) holds now (``request.prefix``, from the event-fed index): where every cache
+    has lost a prefix,
     it goes back to the endpoint it was sent to before, so prefixes that outgrow the fleet's KV stay
     partitioned over the endpoints instead of landing wherever is idlest and evicting others; where
     a cache still holds it, the precise scorer alone decides. A prompt some cache holds whole is then
@@ -105,9 +107,8 @@ class ApproximatePrefixScorer:
         if self._cached[0] is prefix:
             return self._cached[1]
         cached = 0.0
-        if self.beyond_cache and prefix is not None and prefix.pods:
-            held = max(m.num_blocks for m in prefix.pods.values())
-            cached = held * prefix.block_size / self.block_size
+        if self.beyond_cache and prefix is not None:
+            cached = prefix.longest_blocks() * prefix.block_size / self.block_size
         self._cached = (prefix, cached)
         return cached
 
@@ -307,7 +308,7 @@ class TTFTEstimateScorer:
         prefix = request.prefix
         cached = 0
         if prefix is not None:
-            match = prefix.pods.get(endpoint.pod)
+            match = prefix.match_of(endpoint.pod)
             if match is not None:
                 for tier, n in match.blocks_by_tier.items():
                     tokens = n * prefix.block_size
