@@ -57,6 +57,7 @@ class FakeEngine:
     healthy: bool = True
     vllm_like: bool = False
     """Answer 404 on /kvmesh/info, as an unmodified vLLM pod does."""
+    num_health_checks: int = 0
 
     async def start(self, port: int = 0, host: str = "127.0.0.1") -> FakeEngine:
         self.publisher = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
@@ -172,6 +173,7 @@ class FakeEngine:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     async def _health(self, request: web.Request) -> web.Response:
+        self.num_health_checks += 1
         return web.Response(status=200 if self.healthy else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:

@@ -37,7 +37,7 @@ from kvmesh.chaos.fuzz_http import malformed_http
 from kvmesh.chaos.load import SteadyLoad, chaos_prompts, num_failed, series
 from kvmesh.chaos.report import ChaosReport
 from kvmesh.chaos.schedule import FULL, QUICK, FaultLog
-from kvmesh.chaos.soak import soak
+from kvmesh.chaos.soak import ROUTER_CONNECTIONS_PER_ENGINE, soak
 from kvmesh.chaos.tenants import tenants_stay_apart
 from kvmesh.fleet import Fleet, FleetConfig
 
@@ -133,7 +133,12 @@ async def run_chaos(
         model=MODEL,
         shared=config.shared,
         engine_args=["--events-replay", "tcp://127.0.0.1:0"],
-        router_args=["--admin-token", token],
+        router_args=[
+            "--admin-token",
+            token,
+            "--max-connections-per-endpoint",
+            str(ROUTER_CONNECTIONS_PER_ENGINE),
+        ],
         run_dir=config.out_dir / "fleet",
         stop_grace_s=5.0,
     )

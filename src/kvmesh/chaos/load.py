@@ -106,7 +106,9 @@ class SteadyLoad:
 
     def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.options.request_timeout_s, sock_connect=5)
-        self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        self._session = aiohttp.ClientSession(
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=MAX_IN_FLIGHT)
+        )
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     def pause(self) -> None:

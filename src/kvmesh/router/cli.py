@@ -36,6 +36,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--hash-algo", choices=["sha256", "xxh3"], default=None)
     p.add_argument("--redis-index", default=None, metavar="URL", help="share the index through Redis/Valkey")
     p.add_argument(
+        "--max-connections-per-endpoint",
+        type=int,
+        default=None,
+        metavar="N",
+        help="connections open to one engine for requests (upstream.maxConnectionsPerEndpoint; default 1024)",
+    )
+    p.add_argument(
         "--admin-token", default=None, help="bearer token of /admin/* (or $KVMESH_ROUTER_ADMIN_TOKEN)"
     )
     p.add_argument(
@@ -117,6 +124,10 @@ def _config_from_args(args: argparse.Namespace) -> RouterConfig:
             updates[field] = value
     if args.redis_index:
         updates["index"] = msgspec.structs.replace(config.index, backend="redis", redis_url=args.redis_index)
+    if args.max_connections_per_endpoint is not None:
+        updates["upstream"] = msgspec.structs.replace(
+            config.upstream, max_connections_per_endpoint=args.max_connections_per_endpoint
+        )
     config = msgspec.structs.replace(config, **updates)
     config.__post_init__()
     return config

@@ -14,6 +14,7 @@
     scheduler: {plugins: [...], schedulingProfiles: [...]}
     index: {backend: memory, capacity: 2000000, redisUrl: null, keyPrefix: "kvmesh:idx:"}
     health: {intervalS: 0.5, timeoutS: 0.5, failureThreshold: 2, metricsIntervalS: 1.0}
+    upstream: {maxConnectionsPerEndpoint: 1024, keepaliveS: 15.0}
     endpoints:
       - {url: "http://127.0.0.1:8001"}
       - {url: "http://10.0.0.7:8000", role: decode, eventsEndpoint: "tcp://10.0.0.7:5557"}
@@ -49,6 +50,9 @@ class IndexConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     key_prefix: str = "kvmesh:idx:"
     ttl_s: float | None = None
     """Redis only: entries expire this long after their last write."""
+    redis_max_connections: int = 32
+    """Redis only: connections to the server (the write-behind thread and the lookups' worker
+    threads share them; a caller that finds all busy waits up to 2 s for one)."""
     max_blocks_per_pod: int = 1_000_000
     key_memo_capacity: int = 262_144
     """Block keys remembered from event tokens so matching skips re-hashing them (0: off)."""
@@ -61,6 +65,23 @@ class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     timeout_s: float = 0.5
     failure_threshold: int = 2
     metrics_interval_s: float = 1.0
+
+
+class UpstreamConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+    """The router's HTTP connections to its endpoints for requests (health checks and scrapes
+    have their own, :data:`kvmesh.router.endpoints.PROBE_CONNECTIONS_PER_ENDPOINT` per endpoint)."""
+
+    max_connections_per_endpoint: int = 1024
+    """Connections open to one endpoint, busy or idle (P/D prefill legs included). A request that
+    finds them all busy waits in the router until one frees (it counts as in flight there). The
+    pool hands out its idle connections oldest first, so under steady traffic none stays idle for
+    ``keepaliveS`` and the pool keeps as many connections as were ever busy at once: this is the
+    bound on that. 1024 is vLLM's default batch (``max_num_seqs``) on an 80 GB GPU, so by default
+    the router never holds back a request an engine could start; lower it to the engines' batch
+    plus a queue's worth when they batch fewer (the router then holds at most this many sockets per
+    endpoint, and each engine as many from the router)."""
+    keepalive_s: float = 15.0
+    """An idle connection is closed after this many seconds (once traffic drops)."""
 
 
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
@@ -83,6 +104,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     scheduler: dict[str, Any] | None = None
     index: IndexConfig = msgspec.field(default_factory=IndexConfig)
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
+    upstream: UpstreamConfig = msgspec.field(default_factory=UpstreamConfig)
     endpoints: list[EndpointConfig] = msgspec.field(default_factory=list)
     discovery: list[DnsDiscoveryConfig] = msgspec.field(default_factory=list)
     """DNS names (Kubernetes headless Services) whose addresses are engine pods, followed at run
@@ -119,8 +141,19 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
             raise ConfigError(f"index.backend must be memory or redis, got {self.index.backend!r}")
         if self.index.backend == "redis" and not self.index.redis_url:
             raise ConfigError("index.backend redis needs index.redisUrl")
+        if self.index.redis_max_connections < 1:
+            raise ConfigError(
+                f"index.redisMaxConnections must be >= 1, got {self.index.redis_max_connections}"
+            )
         if self.tokenizer_cache_entries < 0:
             raise ConfigError(f"tokenizerCacheEntries must be >= 0, got {self.tokenizer_cache_entries}")
+        if self.upstream.max_connections_per_endpoint < 1:
+            raise ConfigError(
+                "upstream.maxConnectionsPerEndpoint must be >= 1, got "
+                f"{self.upstream.max_connections_per_endpoint}"
+            )
+        if self.upstream.keepalive_s <= 0:
+            raise ConfigError(f"upstream.keepaliveS must be > 0, got {self.upstream.keepalive_s}")
         if self.max_attempts < 1:
             raise ConfigError(f"maxAttempts must be >= 1, got {self.max_attempts}")
         if self.admin_token is None:

@@ -36,6 +36,11 @@ from kvmesh.router.types import EndpointState
 
 logger = logging.getLogger(__name__)
 
+PROBE_CONNECTIONS_PER_ENDPOINT = 4
+"""Connections the pool's session keeps to one endpoint. At most three requests are ever open to
+an endpoint at once (a health check, a scrape, and discovery when an endpoint is added or comes
+back), since timeouts close the connection of a request that hangs."""
+
 _WAITING = ("vllm:num_requests_waiting",)
 _RUNNING = ("vllm:num_requests_running",)
 _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
@@ -142,7 +147,9 @@ class EndpointPool:
     """The set of endpoints and their live state.
 
     Args:
-        session: HTTP client session used for discovery, health and metrics.
+        session: HTTP client session used for discovery, health and metrics, kept apart from the
+            requests' (whose connections may all be busy); :data:`PROBE_CONNECTIONS_PER_ENDPOINT`
+            per endpoint is enough for it.
         health_interval: seconds between health checks.
         health_timeout: seconds before a health check counts as failed.
         failure_threshold: consecutive failures that take an endpoint out.

@@ -35,7 +35,7 @@ from kvmesh.errors import RequestError, TierUnavailableError
 from kvmesh.router.admin import AdminApi
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.discovery import DnsDiscovery
-from kvmesh.router.endpoints import EndpointPool
+from kvmesh.router.endpoints import PROBE_CONNECTIONS_PER_ENDPOINT, EndpointPool
 from kvmesh.router.index import BlockIndex, InMemoryIndex, InstrumentedIndex
 from kvmesh.router.ingest import EventApplier
 from kvmesh.router.intake import EventIntake
@@ -127,6 +127,9 @@ class Gateway:
         self.proxy: UpstreamProxy | None = None
         self.prefill_leg: PrefillLeg | None = None
         self._session: aiohttp.ClientSession | None = None
+        """Requests to the endpoints (bounded per endpoint by ``config.upstream``)."""
+        self._probe_session: aiohttp.ClientSession | None = None
+        """The endpoint pool's health checks, scrapes and discovery."""
         self._pending_events: dict[PodId, tuple[str, str | None]] = {}
         self.prefill_ledger = PrefillLedger(attention_context=attention_context_of(scheduler_config))
         """Prefill work sent to each endpoint and not yet answered, and the pool's learned speed."""
@@ -136,7 +139,12 @@ class Gateway:
         cfg = self.config.index
         if cfg.backend == "redis":
             assert cfg.redis_url is not None, "RouterConfig validation lets redis through without a URL"
-            return RedisIndex(cfg.redis_url, key_prefix=cfg.key_prefix, ttl_s=cfg.ttl_s)
+            return RedisIndex(
+                cfg.redis_url,
+                key_prefix=cfg.key_prefix,
+                ttl_s=cfg.ttl_s,
+                max_connections=cfg.redis_max_connections,
+            )
         return InMemoryIndex(cfg.capacity)
 
     # ------------------------------------------------------------------ lifecycle
@@ -161,13 +169,27 @@ class Gateway:
 
     async def start(self) -> None:
         """Open the client session, add the configured endpoints and start the background loops."""
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+        upstream = self.config.upstream
+        connector = aiohttp.TCPConnector(
+            limit=0,
+            limit_per_host=upstream.max_connections_per_endpoint,
+            keepalive_timeout=upstream.keepalive_s,
+            ttl_dns_cache=300,
+            enable_cleanup_closed=True,
+        )
         session = self._session = aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
         )
+        # Probes get their own pool: behind requests waiting for a connection, a health check
+        # would time out and take a busy (not dead) endpoint out of the pool.
+        probes = self._probe_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(
+                limit=0, limit_per_host=PROBE_CONNECTIONS_PER_ENDPOINT, ttl_dns_cache=300
+            )
+        )
         health = self.config.health
         pool = self.pool = EndpointPool(
-            session,
+            probes,
             health_interval=health.interval_s,
             health_timeout=health.timeout_s,
             failure_threshold=health.failure_threshold,
@@ -206,9 +228,10 @@ class Gateway:
             await asyncio.to_thread(self.writer.close)
         if isinstance(self._own_index, RedisIndex):
             self._own_index.close()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._probe_session):
+            if session is not None:
+                await session.close()
+        self._session = self._probe_session = None
 
     def _on_events(self, pod: PodId, endpoint: str | None, replay: str | None) -> None:
         if endpoint is None:

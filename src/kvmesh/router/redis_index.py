@@ -29,6 +29,7 @@ from kvmesh.router.write_behind import AddBlocks, BatchWritable, ClearPod, Index
 
 _BITS = tuple(MEDIUM_BITS.values())
 _LOOKUP_GROUP = 32
+_SOCKET_TIMEOUT_S = 2.0
 
 
 class RedisIndex:
@@ -38,7 +39,10 @@ class RedisIndex:
         url: ``redis://host:port/db`` (Valkey speaks the same protocol).
         key_prefix: namespace of this index's keys.
         ttl_s: expire entries this long after their last write (``None``: never).
-        client: an existing client (the URL is then ignored).
+        client: an existing client (the URL and ``max_connections`` are then ignored).
+        max_connections: connections to the server, shared by the threads that call the index
+            (the write-behind thread, lookups on worker threads); a thread that finds them all
+            busy waits for one up to the socket timeout, then gets :class:`TierUnavailableError`.
 
     Raises:
         TierUnavailableError: from any method when the server cannot be reached.
@@ -51,8 +55,21 @@ class RedisIndex:
         key_prefix: str = "kvmesh:idx:",
         ttl_s: float | None = None,
         client: redis.Redis | None = None,
+        max_connections: int = 32,
     ) -> None:
-        self.client = client if client is not None else redis.Redis.from_url(url, socket_timeout=2.0)
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        self._own_pool: redis.BlockingConnectionPool | None = None
+        if client is None:
+            # redis-py's default pool opens a connection per concurrent caller without limit.
+            self._own_pool = redis.BlockingConnectionPool.from_url(
+                url,
+                max_connections=max_connections,
+                timeout=_SOCKET_TIMEOUT_S,
+                socket_timeout=_SOCKET_TIMEOUT_S,
+            )
+            client = redis.Redis(connection_pool=self._own_pool)
+        self.client = client
         self.prefix = key_prefix.encode()
         self.ttl_ms = None if ttl_s is None else int(ttl_s * 1000)
         self._block_prefix = self.prefix + b"b:"
@@ -195,6 +212,8 @@ class RedisIndex:
     def close(self) -> None:
         """Close the connection pool."""
         self.client.close()
+        if self._own_pool is not None:
+            self._own_pool.disconnect()
 
 
 def _conforms(index: RedisIndex) -> tuple[BlockIndex, BatchWritable]:
