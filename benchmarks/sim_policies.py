@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/sim_policies.py [--workloads llmd-73,multi-turn,mooncake-synthetic,
         mooncake-conversation,llmd-73-scaled-tight] [--policies precise,llmd-precise,approximate,load]
-        [--seed N] [--json out.json]
+        [--seed N] [--shared-tier GBPS] [--json out.json]
 
 Every workload runs in the simulator (the real router scheduler, index and prefill ledger in virtual
 time) on 8 Qwen3-32B TP2 H100 pods, once per policy, and is checked against two bars:
@@ -23,6 +23,10 @@ Workloads:
   half its KV, so the prefixes outgrow the fleet's KV (``router_peers.py --size tight``, simulated):
   Poisson 15 QPS warm-up for 13 s (not reported), then 30 QPS for 12 s; gauges scraped every 1 s as
   the live router does. ``--seed`` draws another arrival sequence (and the router's tie-breaks).
+
+``--shared-tier GBPS`` gives every fleet (every policy alike) a shared KV tier: the replicas write
+each prompt's chunks through to it and load what it holds on a device miss, over a GBPS Gb/s NIC
+each; their writes are announced to the router as vLLM-format events with ``medium: SHARED``.
 """
 
 from __future__ import annotations
@@ -118,6 +122,13 @@ def main() -> None:
     ap.add_argument("--policies", default="precise," + ",".join(BASELINES))
     ap.add_argument("--conversation-requests", type=int, default=None, help="first N lines (default all)")
     ap.add_argument("--seed", type=int, default=0, help="llmd-73-scaled-tight's arrivals and tie-breaks")
+    ap.add_argument(
+        "--shared-tier",
+        type=float,
+        default=0.0,
+        metavar="GBPS",
+        help="give every fleet a shared KV tier (Redis-like, unbounded) behind GBPS Gb/s per replica",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     builders: dict[str, Callable[[str], tuple[FleetConfig, Workload]]] = {
@@ -138,6 +149,8 @@ def main() -> None:
         reports: dict[str, SimReport] = {}
         for policy in policies:
             config, workload = builders[name](policy)
+            if args.shared_tier > 0:
+                config = dataclasses.replace(config, shared_tier="redis", net_gbps=args.shared_tier)
             started = time.perf_counter()
             with console.status(f"{name}: {policy}"):
                 rep = build_report(simulate(config, workload), policy)
