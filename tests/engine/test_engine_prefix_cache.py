@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
 from kvmesh.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.core.hashing import BlockHasher, Namespace
-from kvmesh.engine.prefix_cache import PrefixCache, engine_block_hash
+from kvmesh.core.types import Medium
+from kvmesh.engine.prefix_cache import PrefixCache, engine_block_hash, prefix_stored_event
 
 BS = 4
 
@@ -172,3 +174,15 @@ def test_simulated_constructor_keeps_no_kv() -> None:
     assert alloc is not None
     cache.cache_blocks(alloc, keys, tokens, np.zeros((1, 2, 1, 32, 1), np.float32))
     assert cache.get_kv(keys) is None and cache.match(keys) == 2
+
+
+@pytest.mark.parametrize("tenant", ["", "acme"])
+def test_prefix_stored_event_matches_the_device_event_of_a_root_chain(tenant: str) -> None:
+    cache = make_cache(8)
+    tokens = list(range(14))
+    _, keys, _ = run(cache, "a", tokens, tenant)
+    [device] = cache.take_events()
+    shared = prefix_stored_event(keys, tokens, BS, tenant, Medium.SHARED)
+    assert shared == msgspec.structs.replace(device, medium="SHARED")
+    with pytest.raises(ValueError, match="need 12 tokens, got 11"):
+        prefix_stored_event(keys, tokens[:11], BS, tenant, Medium.SHARED)

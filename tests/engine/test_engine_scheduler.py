@@ -193,7 +193,7 @@ class BrokenStore:
     async def retrieve(self, tokens, tenant):  # type: ignore[no-untyped-def]
         raise RuntimeError("store bug")
 
-    async def store(self, tokens, tenant, kv, skip_tokens=0):  # type: ignore[no-untyped-def]
+    async def store(self, tokens, tenant, kv, skip_tokens=0, on_written=None):  # type: ignore[no-untyped-def]
         raise RuntimeError("store bug")
 
     async def drain(self) -> None:

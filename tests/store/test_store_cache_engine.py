@@ -210,3 +210,44 @@ async def test_stats_and_metrics() -> None:
     text = engine.metrics.render().decode()
     assert 'kvmesh_store_lookup_chunks_total{result="hit"} 4.0' in text
     await engine.aclose()
+
+
+async def test_store_reports_how_far_each_tier_holds_the_prompt(tmp_path: Path) -> None:
+    engine = _engine(shared_dir=f"file://{tmp_path}/shared")
+    reports: list[tuple[str, int]] = []
+
+    def seen(tier: str, end: int) -> None:
+        reports.append((tier, end))
+
+    # Two chunks first; then the whole prompt, of which the first two chunks are held already.
+    await engine.store(TOKENS, NS, _kv(2 * CHUNK), on_written=seen)
+    await engine.drain()
+    assert reports == [("cpu", 2 * CHUNK), ("fs", 2 * CHUNK)]
+    await engine.store(TOKENS, NS, _kv(len(TOKENS)), skip_tokens=CHUNK, on_written=seen)
+    await engine.drain()
+    assert reports[2:] == [("cpu", 4 * CHUNK), ("fs", 4 * CHUNK)]
+    # Nothing new for the RAM tier: it alone is reported, as holding what it held.
+    await engine.store(TOKENS, NS, _kv(len(TOKENS)), on_written=seen)
+    await engine.drain()
+    assert reports[4:] == [("cpu", 4 * CHUNK)]
+    await engine.aclose()
+
+
+async def test_store_reports_a_first_tier_that_already_held_chunks(tmp_path: Path) -> None:
+    engine = _engine(local_cpu=False, shared_dir=f"file://{tmp_path}/shared")
+    reports: list[tuple[str, int]] = []
+
+    def seen(tier: str, end: int) -> None:
+        reports.append((tier, end))
+
+    keys = engine.chunk_keys(TOKENS, NS)
+    codec = engine.tiered.codec
+    kv = _kv(len(TOKENS))
+    # Another writer put the last chunk there; this store writes chunks 0 to 2 and leaves it out.
+    await engine.tiered.tiers[0].backend.put_many(
+        [(keys[3], codec.encode(keys[3], kv[:, :, :, 3 * CHUNK : 4 * CHUNK, :], "float32"))]
+    )
+    await engine.store(TOKENS, NS, kv, on_written=seen)
+    await engine.drain()
+    assert reports == [("fs", 4 * CHUNK)]
+    await engine.aclose()

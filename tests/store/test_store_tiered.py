@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from store_helpers import FlakyBackend, build_backend, corrupt_bytes, make_chunk, make_key
 
+from kvmesh.errors import TierUnavailableError
 from kvmesh.store.backends.base import Backend
 from kvmesh.store.backends.memory import MemoryBackend
 from kvmesh.store.breaker import BreakerState, CircuitBreaker
@@ -232,4 +233,77 @@ async def test_write_timeout_grows_with_the_bytes_written() -> None:
     await store.drain()
     assert await slow.inner.exists_many([KEYS[0], KEYS[1]]) == [False, True]
     assert store.tiers[1].counters.timeouts == 1
+    await store.aclose()
+
+
+class _Recorder:
+    """Collects ``on_written`` reports: (tier, keys)."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[str, list[StoreKey]]] = []
+
+    def __call__(self, tier: str, keys: list[StoreKey]) -> None:
+        self.reports.append((tier, list(keys)))
+
+
+class _PutFails(FlakyBackend):
+    """Answers ``exists`` but every ``put`` fails, or stores one item fewer than given (``short``)."""
+
+    def __init__(self, short: bool = False) -> None:
+        super().__init__()
+        self.short = short
+
+    async def put_many(self, items: Sequence[tuple[StoreKey, bytes]]) -> int:
+        if not self.short:
+            raise TierUnavailableError("injected put failure")
+        return await self.inner.put_many(list(items)[:-1])
+
+
+async def test_put_reports_per_tier_what_it_holds_now() -> None:
+    slow = FlakyBackend()
+    await slow.inner.put_many(chunks(KEYS[:1]))
+    store, _, _ = two_tier(slow, queued=True)
+    seen = _Recorder()
+    await store.put(chunks(KEYS[:3]), seen)
+    assert seen.reports == [("cpu", KEYS[:3])], "the queued tier reports only once its worker wrote"
+    await store.drain()
+    # Held already (KEYS[0]) counts as held, followed by what was written now.
+    assert seen.reports == [("cpu", KEYS[:3]), ("slow", KEYS[:3])]
+    await store.put(chunks(KEYS[:2]), seen)
+    await store.drain()
+    assert seen.reports[2:] == [("cpu", KEYS[:2]), ("slow", KEYS[:2])], "all present: reported as held"
+    await store.aclose()
+
+
+@pytest.mark.parametrize("failure", ["put_raises", "exists_fails", "breaker_open", "queue_full"])
+async def test_a_dropped_tier_write_reports_nothing(failure: str) -> None:
+    slow = _PutFails() if failure == "put_raises" else FlakyBackend()
+    opts: dict[str, object] = {"queued": True}
+    if failure == "breaker_open":
+        opts["breaker"] = CircuitBreaker(failure_threshold=1, backoff_s=30.0)
+    if failure == "queue_full":
+        opts["max_queue_bytes"] = len(make_chunk(KEYS[3])) - 1
+    store, _, _ = two_tier(slow, **opts)
+    if failure == "breaker_open":
+        slow.fail = True
+        assert await store.count_prefix(KEYS[:1]) == 0
+        slow.fail = False
+        assert store.tiers[1].breaker.state is BreakerState.OPEN
+    slow.fail = failure == "exists_fails"
+    seen = _Recorder()
+    await store.put(chunks(KEYS[3:4]), seen)
+    await store.drain()
+    assert seen.reports == [("cpu", KEYS[3:4])]
+    assert store.tiers[1].counters.dropped_writes == 1
+    await store.aclose()
+
+
+async def test_a_short_put_reports_only_keys_held_before() -> None:
+    slow = _PutFails(short=True)
+    await slow.inner.put_many(chunks(KEYS[:1]))
+    store, _, _ = two_tier(slow, queued=True)
+    seen = _Recorder()
+    await store.put(chunks(KEYS[:3]), seen)
+    await store.drain()
+    assert seen.reports == [("cpu", KEYS[:3]), ("slow", KEYS[:1])]
     await store.aclose()

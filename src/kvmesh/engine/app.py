@@ -44,6 +44,8 @@ class EngineOptions:
     served_model_name: str | None = None
     store: str | None = None
     """Store config path or URL (``memory``, ``redis://…``, ``file:///dir``); ``None``: no store."""
+    announce_shared_writes: bool = True
+    """Publish a ``"SHARED"`` BlockStored when a prompt's chunks reach a shared store tier."""
     events: str | None = None
     """ZMQ PUB endpoint for KV events (``tcp://127.0.0.1:0`` picks a port)."""
     events_replay: str | None = None
@@ -146,6 +148,7 @@ async def build_engine(opts: EngineOptions, *, runner: ModelRunner | None = None
         max_num_seqs=opts.max_num_seqs or (preset.max_num_seqs if preset else 16),
         max_num_batched_tokens=opts.max_num_batched_tokens
         or (preset.max_num_batched_tokens if preset else 2048),
+        announce_shared_writes=opts.announce_shared_writes,
     )
     store: PrefixStore | None = None
     if opts.store and emulated:

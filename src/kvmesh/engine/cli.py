@@ -25,6 +25,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--store", metavar="CONFIG_OR_URL", help="store config YAML or URL (memory, redis://, file:///dir)"
     )
     p.add_argument(
+        "--announce-shared-writes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="publish a SHARED BlockStored when a prompt reaches a shared store tier (default on)",
+    )
+    p.add_argument(
         "--events", metavar="ENDPOINT", help="ZMQ PUB endpoint for KV events, e.g. tcp://127.0.0.1:5557"
     )
     p.add_argument("--events-replay", metavar="ENDPOINT", help="ZMQ ROUTER endpoint for event replay")
@@ -90,6 +96,7 @@ def _run(args: argparse.Namespace) -> int:
         emulate=args.emulate,
         served_model_name=args.served_model_name,
         store=args.store,
+        announce_shared_writes=args.announce_shared_writes,
         events=args.events,
         events_replay=args.events_replay,
         events_topic=DEFAULT_TOPIC if args.events_topic is None else args.events_topic,

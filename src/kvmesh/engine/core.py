@@ -8,6 +8,9 @@ One task owns all scheduling state (no locks). Each iteration:
 3. run it on the :class:`ModelRunner`, append sampled tokens, cache newly full blocks, stream outputs;
 4. publish the cache's KV events, then hand queued prompts to the store (:mod:`.store_sync`).
 
+Events of background store writes (prompts a shared tier now holds) wake the loop, which publishes
+them even when no step is running.
+
 A request's prefix comes from the longest of its blocks in the device-tier cache or the store
 (fetched before the request queues, so the loop never waits on the store).
 """
@@ -37,11 +40,13 @@ __all__ = ["EngineCore", "EngineRequest", "RequestOutput", "Role", "SchedulerCon
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Batching limits."""
+    """Batching limits and store traffic."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     write_to_store: bool = True
+    announce_shared_writes: bool = True
+    """Publish a ``"SHARED"`` BlockStored when a prompt's chunks reach a shared store tier."""
 
 
 class EngineCore:
@@ -71,9 +76,17 @@ class EngineCore:
         self.stats = EngineStats()
         limits = BatchLimits(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.scheduler: StepScheduler[EngineRequest] = StepScheduler(cache, limits, self)
-        self.store_sync = StoreSync(store, runner, cache, self.stats, write=self.config.write_to_store)
-        self._requests: dict[str, EngineRequest] = {}
         self._wake = asyncio.Event()
+        self.store_sync = StoreSync(
+            store,
+            runner,
+            cache,
+            self.stats,
+            write=self.config.write_to_store,
+            announce_shared=self.config.announce_shared_writes,
+            wake=self._wake.set,
+        )
+        self._requests: dict[str, EngineRequest] = {}
         self._task: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -354,10 +367,12 @@ class EngineCore:
         req._emit(RequestOutput([], finished=True, finish_reason=reason))
 
     def publish_events(self) -> None:
-        """Send the cache's pending events now (the loop does this after every step)."""
+        """Send the pending events now (the loop does this after every step and when woken idle)."""
         self._publish_events()
 
     def _publish_events(self) -> None:
+        # Device-tier events first: a SHARED event never precedes the GPU event of its blocks.
         events = self.cache.take_events()
+        events += self.store_sync.take_events()
         if events:
             self.publisher.publish(events)

@@ -41,6 +41,34 @@ def engine_block_hash(key: BlockKey) -> int:
     return int.from_bytes(key[:8], "big")
 
 
+def prefix_stored_event(
+    keys: Sequence[BlockKey], token_ids: Sequence[int], block_size: int, tenant: str, medium: Medium
+) -> BlockStored:
+    """A BlockStored for the chain of ``keys`` from the root (no parent), as the device tier writes it.
+
+    Args:
+        keys: block keys from the prompt's first block.
+        token_ids: the prompt (at least ``len(keys) * block_size`` tokens).
+        block_size: tokens per block.
+        tenant: goes into ``extra_keys`` of the first block, as in the device tier's events.
+        medium: the tier that holds the blocks.
+    """
+    n = len(keys) * block_size
+    if len(token_ids) < n:
+        raise ValueError(f"{len(keys)} blocks of {block_size} need {n} tokens, got {len(token_ids)}")
+    extra_keys: list[object] | None = None
+    if tenant:
+        extra_keys = [[tenant] if i == 0 else None for i in range(len(keys))]
+    return BlockStored(
+        block_hashes=[engine_block_hash(k) for k in keys],
+        parent_block_hash=None,
+        token_ids=list(token_ids[:n]),
+        block_size=block_size,
+        medium=medium.value,
+        extra_keys=extra_keys,
+    )
+
+
 @dataclass(slots=True)
 class _Block:
     key: BlockKey

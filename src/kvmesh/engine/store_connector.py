@@ -8,8 +8,9 @@ failing the request.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import numpy as np
 
@@ -26,6 +27,11 @@ class LoadedPrefix:
     tier: str
 
 
+StoreWritten: TypeAlias = Callable[[Medium, int], None]
+"""``(medium, end)``: a store tier of this medium now holds the prompt's chunks up to token ``end``.
+Called on the event loop, possibly after :meth:`PrefixStore.store` returned; must not raise."""
+
+
 class PrefixStore(Protocol):
     """Token-level store access for one model and KV layout."""
 
@@ -39,8 +45,19 @@ class PrefixStore(Protocol):
         """Load the longest stored prefix of ``tokens``; ``None`` on a miss."""
         ...
 
-    async def store(self, tokens: list[int], tenant: str, kv: np.ndarray, skip_tokens: int = 0) -> None:
-        """Write the chunks of ``tokens`` (KV (L, 2, H, len(tokens), D)) past ``skip_tokens`` the store lacks."""
+    async def store(
+        self,
+        tokens: list[int],
+        tenant: str,
+        kv: np.ndarray,
+        skip_tokens: int = 0,
+        on_written: StoreWritten | None = None,
+    ) -> None:
+        """Write the chunks of ``tokens`` (KV (L, 2, H, len(tokens), D)) past ``skip_tokens`` the store lacks.
+
+        ``on_written`` hears once per tier that took the write (or already held it); never for a
+        tier that dropped it.
+        """
         ...
 
     async def drain(self) -> None:
@@ -61,7 +78,14 @@ class NullPrefixStore:
     async def retrieve(self, tokens: list[int], tenant: str) -> LoadedPrefix | None:
         return None
 
-    async def store(self, tokens: list[int], tenant: str, kv: np.ndarray, skip_tokens: int = 0) -> None:
+    async def store(
+        self,
+        tokens: list[int],
+        tenant: str,
+        kv: np.ndarray,
+        skip_tokens: int = 0,
+        on_written: StoreWritten | None = None,
+    ) -> None:
         return None
 
     async def drain(self) -> None:
@@ -98,8 +122,16 @@ class CacheEngineStore:
             return None
         return LoadedPrefix(int(result.num_tokens), result.kv, Medium.parse(result.tier).value)
 
-    async def store(self, tokens: list[int], tenant: str, kv: np.ndarray, skip_tokens: int = 0) -> None:
-        await self._engine.store(tokens, self._ns(tenant), kv, skip_tokens=skip_tokens)
+    async def store(
+        self,
+        tokens: list[int],
+        tenant: str,
+        kv: np.ndarray,
+        skip_tokens: int = 0,
+        on_written: StoreWritten | None = None,
+    ) -> None:
+        report = None if on_written is None else _by_medium(on_written)
+        await self._engine.store(tokens, self._ns(tenant), kv, skip_tokens=skip_tokens, on_written=report)
 
     async def drain(self) -> None:
         await self._engine.drain()
@@ -108,6 +140,15 @@ class CacheEngineStore:
         close = getattr(self._engine, "aclose", None)
         if close is not None:
             await close()
+
+
+def _by_medium(on_written: StoreWritten) -> Callable[[str, int], None]:
+    """Report store tier names ("cpu", "redis", "fs", ...) as media."""
+
+    def report(tier: str, end: int) -> None:
+        on_written(Medium.parse(tier), end)
+
+    return report
 
 
 _null: PrefixStore = NullPrefixStore()

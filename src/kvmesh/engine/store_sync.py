@@ -5,20 +5,28 @@ waits on the store. A prompt's new full chunks are written once per request, aft
 out (off the TTFT path): the step queues the request, the loop exports its KV after streaming the
 token, and the write runs in the background. A request released while its write is queued keeps its
 runner state until the export is done.
+
+When a write reaches a shared tier (Redis/Valkey, shared directory), a ``BlockStored`` with medium
+``"SHARED"`` announces the prompt's blocks from the root up to the last chunk that tier now holds:
+every endpoint of the fleet can load them. The events wait in :meth:`StoreSync.take_events` and the
+engine is woken to publish them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
+from kvmesh.core.events import KVEvent
 from kvmesh.core.tenancy import Role
-from kvmesh.engine.prefix_cache import PrefixCache
+from kvmesh.core.types import BlockKey, Medium
+from kvmesh.engine.prefix_cache import PrefixCache, prefix_stored_event
 from kvmesh.engine.request import EngineRequest, EngineStats
 from kvmesh.engine.runner import ModelRunner, Sequence
-from kvmesh.engine.store_connector import LoadedPrefix, NullPrefixStore, PrefixStore
+from kvmesh.engine.store_connector import LoadedPrefix, NullPrefixStore, PrefixStore, StoreWritten
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +40,9 @@ class StoreSync:
         cache: the device tier (a prefix it already holds is not fetched again).
         stats: the engine's counters (store reads and writes).
         write: write prompts to the store (reads happen either way).
+        announce_shared: announce prompts written to a shared tier as ``"SHARED"`` events.
+        wake: called when such an event is waiting in :meth:`take_events` (it may come from a
+            background write while the engine is idle).
     """
 
     def __init__(
@@ -42,6 +53,8 @@ class StoreSync:
         stats: EngineStats,
         *,
         write: bool = True,
+        announce_shared: bool = True,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         self.store: PrefixStore = store or NullPrefixStore()
         self.enabled = store is not None and not isinstance(store, NullPrefixStore)
@@ -49,9 +62,12 @@ class StoreSync:
         self.cache = cache
         self.stats = stats
         self.write = write
+        self.announce_shared = announce_shared
+        self._wake = wake
         self._tasks: set[asyncio.Task[None]] = set()
         self._queued: list[EngineRequest] = []
         self._deferred_free: list[Sequence] = []
+        self._events: list[KVEvent] = []
 
     # ---------------------------------------------------------------- reads
 
@@ -118,8 +134,13 @@ class StoreSync:
             if kv is None:
                 done.set_result(None)
                 continue
+            tokens = req.seq.token_ids[:n]
+            announce = None
+            if self.announce_shared:
+                keys = req.keys[: n // self.cache.block_size]
+                announce = self._shared_announcer(keys, tokens, req.tenant)
             task = asyncio.create_task(
-                self._write(req.seq.token_ids[:n], req.tenant, kv, req.num_cached_tokens, req.role, done)
+                self._write(tokens, req.tenant, kv, req.num_cached_tokens, req.role, done, announce)
             )
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -135,9 +156,10 @@ class StoreSync:
         skip: int,
         role: Role,
         done: asyncio.Future[None],
+        on_written: StoreWritten | None,
     ) -> None:
         try:
-            await self.store.store(tokens, tenant, kv, skip)
+            await self.store.store(tokens, tenant, kv, skip, on_written=on_written)
             if role is Role.PREFILL:
                 # The decode side reads this KV next: it must have reached every tier.
                 await self.store.drain()
@@ -150,6 +172,35 @@ class StoreSync:
         finally:
             if not done.done():
                 done.set_result(None)
+
+    def _shared_announcer(self, keys: list[BlockKey], tokens: list[int], tenant: str) -> StoreWritten:
+        """The ``on_written`` of one prompt's write: a SHARED event whenever a shared tier holds more
+        of the prompt than announced so far (a second shared tier holding as much adds nothing).
+
+        Only shared tiers are announced. A local CPU or disk tier evicts without telling anyone, so
+        its blocks would stay in the router's index after they are gone. A shared tier's own
+        evictions (TTL, maxmemory) are not announced either: a stale SHARED entry costs the engine
+        it is routed to one store miss, and that engine recomputes.
+        """
+        bs = self.cache.block_size
+        announced = 0
+
+        def on_written(medium: Medium, end: int) -> None:
+            nonlocal announced
+            num_blocks = min(end // bs, len(keys))
+            if medium is not Medium.SHARED or num_blocks <= announced:
+                return
+            announced = num_blocks
+            self._events.append(prefix_stored_event(keys[:num_blocks], tokens, bs, tenant, Medium.SHARED))
+            if self._wake is not None:
+                self._wake()
+
+        return on_written
+
+    def take_events(self) -> list[KVEvent]:
+        """SHARED events since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
 
     async def wait(self) -> None:
         """Wait until the writes started so far reached every store tier."""

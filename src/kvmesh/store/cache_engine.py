@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import numpy as np
 
@@ -28,10 +29,16 @@ from kvmesh.store.config import StoreConfig, resolve_config
 from kvmesh.store.factory import build_store
 from kvmesh.store.keys import StoreKey, namespace_group
 from kvmesh.store.metrics import StoreMetrics
-from kvmesh.store.tiered import FoundChunk, TieredStore
+from kvmesh.store.tiered import FoundChunk, TieredStore, TierWritten
 
 _ENCODE_IN_THREAD_BYTES = 1 << 20
 _MAX_HASHERS = 1024
+
+PrefixWritten: TypeAlias = Callable[[str, int], None]
+"""``(tier name, end)``: a tier now holds the chunks of ``tokens[0:end]`` that one
+:meth:`KVCacheEngine.store` wrote there or found there. Chunks before the written ones are assumed
+held (written by an earlier store), as a prefix lookup assumes. Called on the event loop; must not
+raise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,13 +180,28 @@ class KVCacheEngine:
         return out
 
     async def store(
-        self, tokens: Sequence[int], namespace: Namespace, kv: np.ndarray, *, skip_tokens: int = 0
+        self,
+        tokens: Sequence[int],
+        namespace: Namespace,
+        kv: np.ndarray,
+        *,
+        skip_tokens: int = 0,
+        on_written: PrefixWritten | None = None,
     ) -> None:
         """Save the full chunks of ``kv``, which covers ``tokens[0:kv.shape[3]]``.
 
         Chunks that end within the first ``skip_tokens`` tokens, and chunks the fastest tier
         already holds, are skipped. The RAM tier is written before this returns; slower tiers are
         written by background workers (a full queue drops the write and counts it).
+
+        Args:
+            tokens: the prompt.
+            namespace: model, revision, LoRA, tenant (KV format from :meth:`bind_layout` if unset).
+            kv: KV of the leading tokens, (L, 2, H, T, D).
+            skip_tokens: leading tokens known to be stored already.
+            on_written: told, once per tier whose write succeeded (possibly later, from the tier's
+                worker), how far the prompt now reaches in that tier. A tier that dropped the write
+                is not reported; when the fastest tier held every chunk, only it is reported.
 
         Raises:
             ValueError: ``kv`` is not (L, 2, H, T, D) with T ≤ len(tokens), or its dtype disagrees
@@ -198,8 +220,11 @@ class KVCacheEngine:
         if not todo:
             return
         held = await self.tiered.held_by_first_tier([keys[i] for i in todo])
+        held_end = max((i + 1 for i, h in zip(todo, held, strict=True) if h), default=0) * self.chunk_size
         todo = [i for i, h in zip(todo, held, strict=True) if not h]
         if not todo:
+            if on_written is not None and held_end:
+                on_written(self.tiered.tiers[0].name, held_end)
             return
         codec = self.tiered.codec
         c = self.chunk_size
@@ -213,7 +238,23 @@ class KVCacheEngine:
             items = await asyncio.to_thread(encode)
         else:
             items = encode()
-        await self.tiered.put(items)
+        report = None if on_written is None else self._prefix_reporter(keys, held_end, on_written)
+        await self.tiered.put(items, report)
+
+    def _prefix_reporter(self, keys: list[StoreKey], held_end: int, on_written: PrefixWritten) -> TierWritten:
+        """Turn the tiers' "these keys are held" into "the prompt is held up to token ``end``".
+
+        ``held_end`` is how far the fastest tier already held the prompt (its put leaves those
+        chunks out, so they are added back for it).
+        """
+        position = {key: i for i, key in enumerate(keys)}
+        first_tier = self.tiered.tiers[0].name if self.tiered.tiers else None
+
+        def report(tier: str, written: list[StoreKey]) -> None:
+            end = (max(position[key] for key in written) + 1) * self.chunk_size
+            on_written(tier, max(end, held_end) if tier == first_tier else end)
+
+        return report
 
     async def flush(self, namespace: Namespace | None = None) -> int:
         """Delete every chunk of ``namespace``'s model, revision and LoRA (all tenants and KV

@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TypeVar
+from typing import TypeAlias, TypeVar
 
 from kvmesh.errors import CorruptChunkError, TierUnavailableError
 from kvmesh.store.backends.base import Backend
@@ -43,6 +43,10 @@ T = TypeVar("T")
 _DECODE_IN_THREAD_BYTES = 1 << 20
 _CLOSE_DRAIN_S = 5.0
 
+
+TierWritten: TypeAlias = Callable[[str, list[StoreKey]], None]
+"""``(tier name, keys)``: after one :meth:`TieredStore.put` reached a tier, the keys of that put
+the tier now holds (written now or held already). Called on the event loop; must not raise."""
 
 WRITE_SECONDS_PER_MIB = 0.05
 """Extra timeout per MiB written (a 20 MiB/s floor): float32 chunks of small models are ~12 MiB
@@ -83,6 +87,8 @@ class _WriteOp:
     """"put" (skip keys the tier already holds), "promote" (put as is) or "delete"."""
     items: list[tuple[StoreKey, bytes]] = field(default_factory=list)
     keys: list[StoreKey] = field(default_factory=list)
+    on_written: TierWritten | None = None
+    """For "put": told which keys the tier holds once the write succeeded."""
 
     @property
     def num_bytes(self) -> int:
@@ -317,20 +323,29 @@ class TieredStore:
         answer = await self._call(tier, "exists", partial(tier.backend.exists_many, list(keys)))
         return [False] * len(keys) if answer is None else answer
 
-    async def put(self, items: Sequence[tuple[StoreKey, bytes]]) -> None:
+    async def put(
+        self, items: Sequence[tuple[StoreKey, bytes]], on_written: TierWritten | None = None
+    ) -> None:
         """Write encoded chunks to every tier: inline tiers now, queued tiers by their worker.
 
         A tier that already holds a key skips it. Never raises for a tier failure and never waits
         for a queued tier.
+
+        Args:
+            items: encoded chunks.
+            on_written: called once per tier whose write succeeded (or that held every key
+                already), with the keys it now holds; a dropped write (full queue, open breaker,
+                timeout, unavailable backend) calls nothing.
         """
         if not items:
             return
         batch = list(items)
         for tier in self.tiers:
+            op = _WriteOp("put", items=batch, on_written=on_written)
             if tier.queued:
-                self._enqueue(tier, _WriteOp("put", items=batch))
+                self._enqueue(tier, op)
             else:
-                await self._write(tier, _WriteOp("put", items=batch))
+                await self._write(tier, op)
 
     def _enqueue(self, tier: Tier, op: _WriteOp) -> None:
         size = op.num_bytes
@@ -369,13 +384,16 @@ class TieredStore:
             await self._call(tier, "delete", partial(backend.delete_many, op.keys))
             return
         items = op.items
+        held: list[StoreKey] = []
         if op.kind == "put":
             present = await self._call(tier, "exists", partial(backend.exists_many, [k for k, _ in items]))
             if present is None:
                 tier.counters.dropped_writes += len(items)
                 return
-            items = [item for item, held in zip(items, present, strict=True) if not held]
+            held = [key for (key, _), there in zip(items, present, strict=True) if there]
+            items = [item for item, there in zip(items, present, strict=True) if not there]
             if not items:
+                _maybe_report(tier, op, held)
                 return
         stored = await self._call(
             tier, "put", partial(backend.put_many, items), num_bytes=sum(len(v) for _, v in items)
@@ -384,6 +402,8 @@ class TieredStore:
             tier.counters.dropped_writes += len(items)
             return
         tier.counters.bytes_written += sum(len(v) for _, v in items)
+        # A short count does not say which items were left out, so none of them is reported.
+        _maybe_report(tier, op, held + [key for key, _ in items] if stored >= len(items) else held)
 
     async def drain(self) -> None:
         """Wait until every queued write issued so far has been attempted."""
@@ -461,6 +481,11 @@ class TieredStore:
                     await tier._worker
                 tier._worker = None
             await tier.backend.aclose()
+
+
+def _maybe_report(tier: Tier, op: _WriteOp, keys: list[StoreKey]) -> None:
+    if op.on_written is not None and keys:
+        op.on_written(tier.name, keys)
 
 
 def _held_by(holder: int | None, tier_index: int) -> bool:
