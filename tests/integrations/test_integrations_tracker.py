@@ -6,6 +6,7 @@ import pytest
 
 from kvmesh.core.hashing import Namespace
 from kvmesh.integrations.request_tracker import LoadSpec, RequestTracker, SaveSpec, num_loadable_tokens
+from kvmesh.integrations.shared_events import PromptBlocks
 
 NS = Namespace("m", kv_dtype="bfloat16", kv_layout="L3xH2xD8")
 
@@ -109,6 +110,39 @@ def test_chunked_prefill_saves_each_chunk_once() -> None:
         num_scheduled=1,
     )
     assert tracker.take_specs() == ([], [])
+
+
+def test_saves_carry_the_blocks_named_at_the_first_lookup() -> None:
+    tracker = RequestTracker(32, 16)
+    blocks = PromptBlocks((1, 2, 3, 4), 16, cache_salt="acme")
+    prompt = list(range(70))
+    tracker.on_lookup("r", prompt, NS, 0, 0, blocks)
+    tracker.on_lookup("r", prompt, NS, 0, 0)  # vLLM asks again: the blocks stay
+    tracker.on_alloc("r", 0)
+    for n, (done, scheduled) in enumerate([(0, 40), (40, 30)]):
+        tracker.on_scheduled(
+            "r",
+            prompt=None,
+            namespace=None,
+            block_ids=[n * 3, n * 3 + 1, n * 3 + 2],
+            replace_blocks=n == 0,
+            num_computed=done,
+            num_scheduled=scheduled,
+        )
+    _, saves = tracker.take_specs()
+    assert [(s.end, s.blocks) for s in saves] == [(32, blocks), (64, blocks)]
+    tracker.on_lookup("q", prompt, NS, 0, 0)
+    tracker.on_alloc("q", 0)
+    tracker.on_scheduled(
+        "q",
+        prompt=None,
+        namespace=None,
+        block_ids=[9] * 5,
+        replace_blocks=True,
+        num_computed=0,
+        num_scheduled=70,
+    )
+    assert [s.blocks for s in tracker.take_specs()[1]] == [None]  # nothing named: nothing to announce
 
 
 def test_preempted_request_reloads_into_its_new_blocks() -> None:

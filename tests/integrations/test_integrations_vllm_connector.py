@@ -14,6 +14,8 @@ import pytest
 import torch
 from integrations_helpers import bits, paged_cache, read_request, request_kv, write_request
 
+from kvmesh.core.events import BlockStored, decode_batch, encode_batch
+from kvmesh.core.types import PodId
 from kvmesh.errors import ConfigError
 from kvmesh.integrations.connector_config import ConnectorSettings
 from kvmesh.integrations.paged_kv import PagedLayout
@@ -23,14 +25,24 @@ from kvmesh.integrations.vllm import (
     KVMeshConnector,
     KVMeshConnectorMetadata,
     ModelKVFormat,
+    SharedTierEvents,
     model_kv_format,
 )
+from kvmesh.router.index import InMemoryIndex
+from kvmesh.router.ingest import EventApplier
+from kvmesh.router.prefix import match_prefix
 
 BS = 16
 
 
 def make_vllm_config(
-    extra: dict[str, Any], *, cache_dtype: str = "auto", tp: int = 1, pp: int = 1, use_mla: bool = False
+    extra: dict[str, Any],
+    *,
+    cache_dtype: str = "auto",
+    tp: int = 1,
+    pp: int = 1,
+    use_mla: bool = False,
+    kv_events: bool = False,
 ) -> SimpleNamespace:
     model_config = SimpleNamespace(
         model="org/model",
@@ -47,6 +59,7 @@ def make_vllm_config(
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
         cache_config=SimpleNamespace(block_size=BS, cache_dtype=cache_dtype),
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+        kv_events_config=SimpleNamespace(enable_kv_cache_events=kv_events),
     )
 
 
@@ -74,8 +87,10 @@ def new_req_output(req: SimpleNamespace, block_ids: list[int], num_computed: int
 class Replica:
     """One vLLM instance: a scheduler-side and a worker-side connector over one paged cache."""
 
-    def __init__(self, extra: dict[str, Any], layout: PagedLayout, num_blocks: int = 12) -> None:
-        config = make_vllm_config(extra)
+    def __init__(
+        self, extra: dict[str, Any], layout: PagedLayout, num_blocks: int = 12, kv_events: bool = False
+    ) -> None:
+        config = make_vllm_config(extra, kv_events=kv_events)
         self.layout = layout
         self.scheduler = KVMeshConnector(config, ConnectorRole.SCHEDULER)
         self.worker = KVMeshConnector(config, ConnectorRole.WORKER)
@@ -265,12 +280,98 @@ def test_settings_parse_and_reject() -> None:
         {"kvmesh.store": "memory", "lookup_timeout_s": 0.2, "save": "false", "other_connector_key": 1}
     )
     assert (s.store, s.lookup_timeout_s, s.save, s.max_inflight) == ("memory", 0.2, False, 64)
+    assert s.announce_shared_writes is True
+    assert not ConnectorSettings.from_extra_config(
+        {"kvmesh.announce_shared_writes": "false"}
+    ).announce_shared_writes
     for bad in (
         {"kvmesh.stor": "x"},
         {"lookup_timeout_s": 0},
         {"max_inflight": 1.5},
         {"save": "maybe"},
         {"store": 3},
+        {"announce_shared_writes": "sometimes"},
     ):
         with pytest.raises(ConfigError):
             ConnectorSettings.from_extra_config(bad)
+
+
+# ---------------------------------------------------------------- SHARED announcements
+
+
+def shared_store(tmp_path: Path, shared_dir: Path | None = None) -> str:
+    path = tmp_path / "shared-store.yaml"
+    path.write_text(f"chunk_size: 32\nshared_dir: {shared_dir or tmp_path / 'shared'}\n")
+    return str(path)
+
+
+def save_prompt(replica: Replica, prompt: list[int], **request_fields: Any) -> None:
+    """One request through lookup, allocation and a prefill step that saves its whole chunks."""
+    hashes = [9000 + i for i in range(len(prompt) // BS)]
+    req = make_request("r", prompt, block_hashes=hashes, **request_fields)
+    replica.scheduler.get_num_new_matched_tokens(req, 0)
+    replica.scheduler.update_state_after_alloc(req, None, 0)
+    blocks = list(range(len(prompt) // BS + 1))
+    meta = replica.step(new_req_output(req, blocks, 0, len(prompt)), request_kv(len(prompt)), blocks)
+    assert [(s.skip_tokens, s.end) for s in meta.saves] == [(0, len(prompt) // 32 * 32)]
+    assert replica.worker.bridge.drain(10.0)
+
+
+def test_a_save_that_lands_in_the_shared_tier_is_announced_through_vllms_channel(tmp_path: Path) -> None:
+    replica = Replica({"store": shared_store(tmp_path)}, PagedLayout.KV_FIRST, 20, kv_events=True)
+    try:
+        assert replica.scheduler.announces_shared_writes
+        prompt = list(range(500, 600))
+        save_prompt(replica, prompt, cache_salt="acme")
+        worker_events = replica.worker.get_kv_connector_kv_cache_events()
+        assert isinstance(worker_events, SharedTierEvents)
+        assert replica.worker.get_kv_connector_kv_cache_events() is None  # drained
+        worker_events = pickle.loads(pickle.dumps(worker_events))  # crosses a process under TP
+        replica.scheduler.update_connector_output(SimpleNamespace(kv_cache_events=worker_events))
+        events = list(replica.scheduler.take_events())
+        assert events == [
+            BlockStored(
+                block_hashes=[9000 + i for i in range(6)],
+                parent_block_hash=None,
+                token_ids=prompt[:96],
+                block_size=BS,
+                lora_id=None,
+                medium="SHARED",
+                lora_name=None,
+                extra_keys=[("acme",), None, None, None, None, None],
+            )
+        ]
+        assert list(replica.scheduler.take_events()) == []
+
+        # a router reading the published batch credits the prefix to every pod
+        applier = EventApplier(InMemoryIndex(), model="org/model", block_size=BS)
+        applier.apply_batch(PodId("writer"), decode_batch(encode_batch(events)))
+        match = match_prefix(applier.index, applier.hasher(tenant="acme"), prompt)
+        assert match.shared is not None and match.shared.num_blocks == 6
+        assert match.hit_tokens(PodId("any-other-pod")) == 96
+    finally:
+        replica.close()
+
+
+@pytest.mark.parametrize("case", ["switched_off", "no_kv_events", "no_shared_tier", "failed_write"])
+def test_nothing_is_announced_without_a_landed_shared_write(tmp_path: Path, case: str) -> None:
+    extra: dict[str, Any] = {"store": shared_store(tmp_path)}
+    kv_events = case != "no_kv_events"
+    if case == "switched_off":
+        extra["announce_shared_writes"] = False
+    elif case == "no_shared_tier":
+        ram_only = tmp_path / "ram.yaml"
+        ram_only.write_text("chunk_size: 32\n")
+        extra["store"] = str(ram_only)
+    elif case == "failed_write":
+        blocked = tmp_path / "blocked"
+        blocked.write_text("a file where the shared directory should be: every write fails")
+        extra["store"] = shared_store(tmp_path, blocked)
+    replica = Replica(extra, PagedLayout.KV_FIRST, 20, kv_events=kv_events)
+    try:
+        assert replica.scheduler.announces_shared_writes is (case == "failed_write")
+        save_prompt(replica, list(range(500, 600)))
+        assert replica.worker.get_kv_connector_kv_cache_events() is None
+        assert list(replica.scheduler.take_events()) == []
+    finally:
+        replica.close()

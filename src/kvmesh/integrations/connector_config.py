@@ -17,6 +17,7 @@
 | ``model`` | vLLM's model name | model id in store keys (set it when replicas name the model differently) |
 | ``revision`` | vLLM's revision | revision in store keys |
 | ``tenant`` | "" | tenant salt for requests without a ``cache_salt`` |
+| ``announce_shared_writes`` | true | publish a ``"SHARED"`` ``BlockStored`` through vLLM's KV events when a save lands in a shared tier |
 """
 
 from __future__ import annotations
@@ -29,7 +30,17 @@ from typing import Any
 from kvmesh.errors import ConfigError
 
 _KEYS = frozenset(
-    {"store", "lookup_timeout_s", "retrieve_timeout_s", "max_inflight", "save", "model", "revision", "tenant"}
+    {
+        "store",
+        "lookup_timeout_s",
+        "retrieve_timeout_s",
+        "max_inflight",
+        "save",
+        "model",
+        "revision",
+        "tenant",
+        "announce_shared_writes",
+    }
 )
 
 
@@ -45,6 +56,7 @@ class ConnectorSettings:
     model: str | None = None
     revision: str | None = None
     tenant: str = ""
+    announce_shared_writes: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -74,6 +86,9 @@ class ConnectorSettings:
             model=_opt_str("model", values.get("model")),
             revision=_opt_str("revision", values.get("revision")),
             tenant=_opt_str("tenant", values.get("tenant")) or "",
+            announce_shared_writes=_bool(
+                "announce_shared_writes", values.get("announce_shared_writes", True)
+            ),
         )
         return settings
 

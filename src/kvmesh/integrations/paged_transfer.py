@@ -25,6 +25,7 @@ from kvmesh.integrations.paged_kv import (
 )
 from kvmesh.integrations.request_tracker import LoadSpec, SaveSpec
 from kvmesh.integrations.store_bridge import StoreBridge
+from kvmesh.store.cache_engine import PrefixWritten
 
 
 @dataclass(slots=True)
@@ -92,8 +93,12 @@ class PagedKVTransfer:
         self.stats.num_loaded_tokens += end - spec.start
         return end
 
-    def save(self, spec: SaveSpec) -> bool:
+    def save(self, spec: SaveSpec, on_written: PrefixWritten | None = None) -> bool:
         """Copy the KV of the chunks after ``spec.skip_tokens`` out of the cache and start storing it.
+
+        Args:
+            spec: what to save.
+            on_written: told how far the prompt reaches in each tier the write landed in.
 
         Returns:
             ``False`` when the store refused the save (too many in flight, closed).
@@ -111,7 +116,11 @@ class PagedKVTransfer:
             kv[:, :, :, start:, :] = gather(self.layers, g, slots).cpu()
         kv_array = to_store_array(kv)
         ok = self.bridge.save(
-            spec.token_ids[: spec.end], spec.namespace, kv_array, skip_tokens=spec.skip_tokens
+            spec.token_ids[: spec.end],
+            spec.namespace,
+            kv_array,
+            skip_tokens=spec.skip_tokens,
+            on_written=on_written,
         )
         if ok:
             self.stats.num_saved_tokens += spec.end - start

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.core.hashing import Namespace
+from kvmesh.integrations.shared_events import PromptBlocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,8 @@ class SaveSpec:
         skip_tokens: tokens known to be stored already (a multiple of the chunk size).
         end: tokens to cover, a multiple of the chunk size.
         namespace: the request's store namespace.
+        blocks: the engine's names for the prompt's blocks, to announce the write when it lands
+            in a shared tier (``None``: not announced).
     """
 
     req_id: str
@@ -67,6 +70,7 @@ class SaveSpec:
     skip_tokens: int
     end: int
     namespace: Namespace
+    blocks: PromptBlocks | None = None
 
 
 @dataclass(slots=True)
@@ -79,6 +83,7 @@ class _Request:
     load_end: int = 0
     load_pending: bool = False
     saved_until: int = 0
+    blocks: PromptBlocks | None = None
 
 
 def num_loadable_tokens(prompt_len: int, num_computed: int, num_stored: int, block_size: int) -> int:
@@ -125,7 +130,13 @@ class RequestTracker:
         return None if req is None else req.num_stored
 
     def on_lookup(
-        self, req_id: str, prompt: Sequence[int], namespace: Namespace, num_computed: int, num_stored: int
+        self,
+        req_id: str,
+        prompt: Sequence[int],
+        namespace: Namespace,
+        num_computed: int,
+        num_stored: int,
+        blocks: PromptBlocks | None = None,
     ) -> int:
         """Record a lookup's outcome and plan the load.
 
@@ -135,6 +146,8 @@ class RequestTracker:
             namespace: its store namespace.
             num_computed: tokens the engine already has (its own prefix cache, block-aligned).
             num_stored: the store's hit (a multiple of the chunk size).
+            blocks: the engine's names for the prompt's blocks, passed on with its saves (kept
+                from an earlier lookup when ``None``).
 
         Returns:
             Tokens to load beyond ``num_computed`` (the engine allocates blocks for them).
@@ -147,6 +160,8 @@ class RequestTracker:
         else:
             req.num_stored = num_stored
             req.saved_until = max(req.saved_until, num_stored - num_stored % self.chunk_size)
+        if blocks is not None:
+            req.blocks = blocks
         num_load = num_loadable_tokens(len(req.prompt), num_computed, num_stored, self.block_size)
         req.load_start = num_computed
         req.load_end = num_computed + num_load
@@ -223,7 +238,15 @@ class RequestTracker:
         end = done - done % self.chunk_size
         if end > req.saved_until:
             self._saves.append(
-                SaveSpec(req_id, req.prompt[:end], tuple(req.block_ids), req.saved_until, end, req.namespace)
+                SaveSpec(
+                    req_id,
+                    req.prompt[:end],
+                    tuple(req.block_ids),
+                    req.saved_until,
+                    end,
+                    req.namespace,
+                    req.blocks,
+                )
             )
             req.saved_until = end
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from kvmesh.core.hashing import Namespace
 from kvmesh.errors import KVMeshError
-from kvmesh.store.cache_engine import KVCacheEngine, RetrieveResult
+from kvmesh.store.cache_engine import KVCacheEngine, PrefixWritten, RetrieveResult
 from kvmesh.store.config import StoreConfig
 
 _T = TypeVar("_T")
@@ -159,18 +159,34 @@ class StoreBridge:
         return RetrieveResult.miss() if result is None else result
 
     def save(
-        self, tokens: Sequence[int], namespace: Namespace, kv: np.ndarray, *, skip_tokens: int = 0
+        self,
+        tokens: Sequence[int],
+        namespace: Namespace,
+        kv: np.ndarray,
+        *,
+        skip_tokens: int = 0,
+        on_written: PrefixWritten | None = None,
     ) -> bool:
         """Start saving ``kv`` (covering ``tokens[0:kv.shape[3]]``) without waiting for it.
 
         The array must not be modified afterwards. Returns ``False`` when the save was refused.
+
+        Args:
+            tokens: the prompt.
+            namespace: its store namespace.
+            kv: KV of the leading tokens, (L, 2, H, T, D).
+            skip_tokens: leading tokens known to be stored already.
+            on_written: told, on the bridge's loop thread, how far the prompt reaches in each
+                tier whose write succeeded (:meth:`KVCacheEngine.store`).
 
         Raises:
             ValueError: ``kv`` is not (L, 2, H, T, D) or covers more than ``tokens``.
         """
         if kv.ndim != 5 or kv.shape[1] != 2 or kv.shape[3] > len(tokens):
             raise ValueError(f"kv must be (L, 2, H, T<={len(tokens)}, D), got {kv.shape}")
-        future = self._submit(self.engine.store(list(tokens), namespace, kv, skip_tokens=skip_tokens))
+        future = self._submit(
+            self.engine.store(list(tokens), namespace, kv, skip_tokens=skip_tokens, on_written=on_written)
+        )
         if future is None:
             return False
         self.stats.num_saves += 1

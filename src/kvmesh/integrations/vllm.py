@@ -17,6 +17,9 @@ between vLLM's objects and kvmesh's own parts::
                start_load_kv              ─► PagedKVTransfer.load  (blocking, bounded; failed blocks
                                              reported through get_block_ids_with_load_errors)
                wait_for_save              ─► PagedKVTransfer.save  (copy out, store in background)
+               get_kv_connector_kv_cache_events ─► SharedWriteAnnouncer.take_events (saves that
+                                             landed in a shared tier, as SHARED BlockStored events)
+    scheduler  update_connector_output    ─► those events ─► take_events ─► vLLM's KV event publisher
 
 Store keys name the model, revision, LoRA, tenant (the request's ``cache_salt``), the KV dtype and
 the per-worker layout (layers, KV heads, head size, and tensor-parallel rank when TP > 1), so
@@ -39,10 +42,12 @@ from typing import Any, TypeVar
 import torch
 
 from kvmesh.core.hashing import Namespace
+from kvmesh.core.types import ExternalBlockHash, Medium
 from kvmesh.integrations.connector_config import ConnectorSettings
 from kvmesh.integrations.paged_kv import PagedLayout, check_layers, detect_geometry, store_dtype_name
 from kvmesh.integrations.paged_transfer import PagedKVTransfer
 from kvmesh.integrations.request_tracker import LoadSpec, RequestTracker, SaveSpec
+from kvmesh.integrations.shared_events import PromptBlocks, SharedWriteAnnouncer
 from kvmesh.integrations.store_bridge import StoreBridge
 
 _log = logging.getLogger(__name__)
@@ -88,6 +93,46 @@ except ImportError:
         def _get_connector_metadata(self) -> Any:
             assert self._connector_metadata is not None, "start_load_kv/wait_for_save called without metadata"
             return self._connector_metadata
+
+
+try:
+    from vllm.distributed.kv_events import BlockStored as _BlockStored
+    from vllm.distributed.kv_events import KVConnectorKVEvents as _EventsBase
+except ImportError:  # no vLLM, or one whose connectors cannot publish KV events
+    from kvmesh.core.events import BlockStored as _BlockStored
+
+    class _EventsBase:  # type: ignore[no-redef]
+        """Stands in for vLLM's container of connector KV events."""
+
+
+class SharedTierEvents(_EventsBase):
+    """SHARED events one worker hands vLLM after a step (vLLM's container for connector events).
+
+    Only tensor-parallel rank 0 announces (the scheduler's lookup checks rank 0's chunks too), so
+    when vLLM merges the workers' containers there is nothing to reduce.
+    """
+
+    def __init__(self, events: list[Any] | None = None) -> None:
+        self._events = list(events or [])
+        self._num_workers = 1
+
+    def add_events(self, events: list[Any]) -> None:
+        self._events.extend(events)
+
+    def aggregate(self) -> SharedTierEvents:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._num_workers += count
+
+    def get_all_events(self) -> list[Any]:
+        return list(self._events)
+
+    def get_number_of_workers(self) -> int:
+        return self._num_workers
+
+    def clear_events(self) -> None:
+        self._events.clear()
 
 
 class ConnectorRole(enum.Enum):
@@ -305,6 +350,29 @@ def _first_group(block_ids: Any) -> list[int] | None:
     return list(block_ids)
 
 
+def _external_block_hash() -> Any:
+    """vLLM's conversion of its block hashes to the ones its events carry (as is without vLLM)."""
+    try:
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    except ImportError:
+        return lambda block_hash: block_hash
+    return maybe_convert_block_hash
+
+
+def _kv_group_tags(kv_cache_config: Any) -> tuple[int | None, str | None, int | None]:
+    """``(group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window)`` as vLLM's own events for
+    the (only) KV cache group carry them; all ``None`` when vLLM passed no KV cache config."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if not groups:
+        return None, None, None
+    try:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+    except ImportError:  # a vLLM whose events carry no cache kind
+        return 0, None, None
+    spec = groups[0].kv_cache_spec
+    return 0, str(get_kv_cache_spec_kind(spec).value), get_kv_cache_spec_sliding_window(spec)
+
+
 def _keyed_by_tokens(request: Any) -> bool:
     """Whether the prompt's token ids alone determine its KV (not so with images or embeddings)."""
     if getattr(request, "mm_features", None) or getattr(request, "mm_hashes", None):
@@ -365,6 +433,35 @@ class KVMeshConnector(_ConnectorBase):
         self.tracker = RequestTracker(self.bridge.chunk_size, self.block_size, save=self.settings.save)
         self.transfer: PagedKVTransfer | None = None
         self._failed_blocks: set[int] = set()
+        self.announces_shared_writes = self._will_announce(vllm_config, kv_cache_config)
+        self._group_tags = _kv_group_tags(kv_cache_config)
+        self._to_external_hash = _external_block_hash()
+        self._announcer: SharedWriteAnnouncer | None = None
+        self._shared_events: list[Any] = []
+
+    def _will_announce(self, vllm_config: Any, kv_cache_config: Any) -> bool:
+        """Whether saves that land in a shared tier become SHARED KV events: the setting is on,
+        this replica saves, vLLM publishes KV events, the store has a shared tier, and vLLM hashes
+        blocks at the block size the connector addresses."""
+        events_config = getattr(vllm_config, "kv_events_config", None)
+        tiers = self.bridge.engine.tiered.tiers
+        if not (
+            self.settings.announce_shared_writes
+            and self.settings.save
+            and getattr(events_config, "enable_kv_cache_events", False)
+            and any(Medium.parse(tier.name) is Medium.SHARED for tier in tiers)
+        ):
+            return False
+        hash_block_size = getattr(kv_cache_config, "hash_block_size", None)
+        if hash_block_size not in (None, self.block_size):
+            _log.warning(
+                "KVMeshConnector: vLLM hashes %s-token blocks, not the %d-token blocks saved; "
+                "shared-tier writes are not announced",
+                hash_block_size,
+                self.block_size,
+            )
+            return False
+        return True
 
     def _set_cache_hit_source(self) -> None:
         """Label kvmesh's hits in vLLM's ``vllm:external_prefix_cache_hits`` by the store tier."""
@@ -404,13 +501,41 @@ class KVMeshConnector(_ConnectorBase):
         req_id = request.request_id
         num_stored = self.tracker.num_stored(req_id)
         namespace = self.namespace(request)
+        blocks = None
         if num_stored is None:
             limit = len(prompt) - 1
             if len(prompt) < self.bridge.chunk_size or limit - limit % self.block_size <= num_computed_tokens:
                 num_stored = 0
             else:
                 num_stored = self.bridge.lookup(prompt, namespace)
-        return self.tracker.on_lookup(req_id, prompt, namespace, num_computed_tokens, num_stored), False
+            if self.announces_shared_writes and len(prompt) >= self.bridge.chunk_size:
+                blocks = self._prompt_blocks(request)
+        num_load = self.tracker.on_lookup(req_id, prompt, namespace, num_computed_tokens, num_stored, blocks)
+        return num_load, False
+
+    def _prompt_blocks(self, request: Any) -> PromptBlocks | None:
+        """vLLM's names for the blocks of the prompt's whole store chunks (what a SHARED event
+        repeats); ``None`` when the request carries no block hashes."""
+        hashes = getattr(request, "block_hashes", None)
+        if not hashes:
+            return None
+        chunk = self.bridge.chunk_size
+        num_blocks = len(request.prompt_token_ids) // chunk * chunk // self.block_size
+        convert = self._to_external_hash
+        external: tuple[ExternalBlockHash, ...] = tuple(convert(h) for h in hashes[:num_blocks])
+        lora = getattr(request, "lora_request", None)
+        group_idx, kind, window = self._group_tags
+        return PromptBlocks(
+            external,
+            self.block_size,
+            lora_id=getattr(lora, "lora_int_id", None) if lora is not None else None,
+            lora_name=str(lora.lora_name) if lora is not None else None,
+            cache_salt=getattr(request, "cache_salt", None) or None,
+            group_idx=group_idx,
+            kv_cache_spec_kind=kind,
+            kv_cache_spec_sliding_window=window,
+            session_id=getattr(request, "session_id", None),
+        )
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Plan the load of ``num_external_tokens`` tokens (0: nothing to load)."""
@@ -454,6 +579,17 @@ class KVMeshConnector(_ConnectorBase):
         self.tracker.finish(request.request_id)
         return False, None
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Keep the SHARED events the workers reported this step for :meth:`take_events`."""
+        events = getattr(connector_output, "kv_cache_events", None)
+        if isinstance(events, SharedTierEvents):
+            self._shared_events.extend(events.get_all_events())
+
+    def take_events(self) -> list[Any]:
+        """SHARED events since the last call; vLLM publishes them with its own KV events."""
+        events, self._shared_events = self._shared_events, []
+        return events
+
     # ---------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -493,6 +629,8 @@ class KVMeshConnector(_ConnectorBase):
             raise ValueError(f"KV caches hold (dtype, layers, heads, dim) {found}, the model says {expected}")
         self.kv_format = fmt
         self.transfer = PagedKVTransfer(layers, geometry, self.bridge)
+        if self.announces_shared_writes and fmt.tp_rank == 0:
+            self._announcer = SharedWriteAnnouncer(_BlockStored)
 
     def _tp_rank(self) -> int:
         if self.kv_format.tp_size == 1 or not HAS_VLLM:
@@ -535,7 +673,10 @@ class KVMeshConnector(_ConnectorBase):
         if meta is None or self.transfer is None:
             return
         for spec in meta.saves:
-            self.transfer.save(_with_namespace(spec, self._worker_namespace(spec.namespace)))
+            on_written = None
+            if self._announcer is not None and spec.blocks is not None:
+                on_written = self._announcer.on_written(spec.blocks, spec.token_ids)
+            self.transfer.save(_with_namespace(spec, self._worker_namespace(spec.namespace)), on_written)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Nothing is sent or received asynchronously."""
@@ -545,6 +686,14 @@ class KVMeshConnector(_ConnectorBase):
         """Blocks a load could not fill since the last call (vLLM recomputes them)."""
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+    def get_kv_connector_kv_cache_events(self) -> SharedTierEvents | None:
+        """Saves that landed in a shared tier since the last call, as SHARED ``BlockStored``
+        events (``None`` when there are none, and on every rank but 0)."""
+        if self._announcer is None:
+            return None
+        events = self._announcer.take_events()
+        return SharedTierEvents(events) if events else None
 
     def shutdown(self) -> None:
         """Release the store (the last connector of the process closes it)."""
