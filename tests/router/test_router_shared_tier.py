@@ -111,3 +111,23 @@ def test_scorers_credit_the_shared_tier_to_every_endpoint():
     shared_only.prefix = PrefixMatch(8, 16, shared=request.prefix.shared)
     history.observe(RoutingRequest("h", TOKENS, Namespace(MODEL), prefix=PrefixMatch(8, 16)), B)
     assert history.score(shared_only, [a, b]) == [0.0, pytest.approx(4 / 8)]
+
+
+def test_kv_cache_groups_are_each_publisher_own_in_a_mixed_fleet():
+    """A vLLM pod tags its events with KV cache groups, a kvmesh engine does not: each publisher's
+    shared-tier announcements pass its own group check, and neither hides the other's."""
+    idx, ap = make()
+    other = list(range(5000, 5000 + 16 * 4))
+    tagged = {"group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+    ap.apply(A, BlockStored([11, 12, 13, 14], None, other, 16, medium=SHARED, **tagged))
+    ap.apply(B, BlockStored([1, 2, 3, 4, 5, 6], None, TOKENS[:96], 16, medium=SHARED))  # untagged
+    sliding = {"group_idx": 1, "kv_cache_spec_kind": "sliding_window"}
+    ap.apply(A, BlockStored([21, 22], None, other[:32], 16, medium=SHARED, **sliding))
+    ap.apply(B, BlockStored([7], 6, TOKENS[96:112], 16, medium=SHARED))
+    assert ap.stats.num_skipped_groups == 1  # A's sliding-window group only
+    first, second = match(idx), match(idx, other)
+    assert first.shared is not None and first.shared.num_blocks == 7
+    assert second.shared is not None and second.shared.num_blocks == 4
+    ap.apply(A, BlockRemoved([14], medium=SHARED, group_idx=0))
+    second = match(idx, other)
+    assert second.shared is not None and second.shared.num_blocks == 3

@@ -240,18 +240,20 @@ class EventApplier:
         n = len(hashes)
         if n == 0:
             return
-        bits = MEDIUM_BITS[Medium.parse(ev.medium)]
+        # The publisher's KV cache group decides, shared-tier events included: group numbers are
+        # each publisher's own, and a fleet may mix tagged (vLLM) and untagged publishers.
         origin = pod
-        if bits == _SHARED_BIT:
-            if not ev.token_ids:
-                self._add_shared(pod, hashes)
-                return
-            pod = SHARED_TIER_HOLDER
-        verdict = self._groups.admit_stored(pod, ev)
+        verdict = self._groups.admit_stored(origin, ev)
         if verdict is GroupVerdict.SKIP:
             return
         if verdict is GroupVerdict.SWITCH:
-            self._drop_blocks(pod)
+            self._drop_blocks(origin)
+        bits = MEDIUM_BITS[Medium.parse(ev.medium)]
+        if bits == _SHARED_BIT:
+            if not ev.token_ids:
+                self._add_shared(origin, hashes)
+                return
+            pod = SHARED_TIER_HOLDER
         blocks = self._pods.get(pod)
         if blocks is None:
             blocks = self._pods[pod] = {}
@@ -410,10 +412,10 @@ class EventApplier:
             self.stats.num_blocks_stored += num_added
 
     def _removed(self, pod: PodId, ev: BlockRemoved) -> None:
-        if ev.medium and Medium.parse(ev.medium) is Medium.SHARED:
-            pod = SHARED_TIER_HOLDER
         if not self._groups.admit_removed(pod, ev.group_idx):
             return
+        if ev.medium and Medium.parse(ev.medium) is Medium.SHARED:
+            pod = SHARED_TIER_HOLDER
         blocks = self._pods.get(pod)
         if blocks is None:
             self.stats.num_unknown_hashes += len(ev.block_hashes)
