@@ -14,6 +14,7 @@ from kvmesh.chaos.load import SteadyLoad
 from kvmesh.chaos.schedule import Durations, FaultLog
 from kvmesh.fleet.launcher import Fleet
 from kvmesh.fleet.process import FleetError
+from kvmesh.router.index import SHARED_TIER_HOLDER
 from kvmesh.workload import RequestSpec
 
 
@@ -73,6 +74,14 @@ class ChaosContext:
     async def index_keys(self) -> int:
         body = await self.admin_get("/admin/index")
         return int(body["index"]["num_keys"])
+
+    async def announced_blocks(self) -> tuple[int, int]:
+        """Engine blocks the router tracks: (the engines' own caches, the shared tier's)."""
+        body = await self.admin_get("/admin/index")
+        pods: dict[str, dict[str, Any]] = body.get("pods") or {}
+        shared = int((pods.get(SHARED_TIER_HOLDER) or {}).get("blocks") or 0)
+        own = sum(int(p.get("blocks") or 0) for pod, p in pods.items() if pod != SHARED_TIER_HOLDER)
+        return own, shared
 
     async def router_counter(self, name: str) -> float:
         """A label-less sample of the router's ``/metrics`` (``nan`` when absent)."""
