@@ -251,3 +251,43 @@ async def test_store_reports_a_first_tier_that_already_held_chunks(tmp_path: Pat
     await engine.drain()
     assert reports == [("fs", 4 * CHUNK)]
     await engine.aclose()
+
+
+async def test_a_tier_is_reported_only_as_far_as_it_holds_the_prompt_from_its_start(tmp_path: Path) -> None:
+    """The RAM tier kept chunks 0-1 that the shared tier never got (a dropped write, an eviction):
+    a later store of the whole prompt writes chunks 2-3 everywhere, and the shared tier must not be
+    reported as holding the prompt, since a reader's lookup stops at its missing chunk 0."""
+    engine = _engine(shared_dir=f"file://{tmp_path}/shared")
+    reports: list[tuple[str, int]] = []
+
+    def seen(tier: str, end: int) -> None:
+        reports.append((tier, end))
+
+    keys = engine.chunk_keys(TOKENS, NS)
+    codec = engine.tiered.codec
+    kv = _kv(len(TOKENS))
+    ram = engine.tiered.tiers[0]
+    assert ram.name == "cpu"
+    await ram.backend.put_many(
+        [
+            (keys[i], codec.encode(keys[i], kv[:, :, :, i * CHUNK : (i + 1) * CHUNK, :], "float32"))
+            for i in (0, 1)
+        ]
+    )
+    await engine.store(TOKENS, NS, kv, on_written=seen)
+    await engine.drain()
+    assert reports == [("cpu", 4 * CHUNK)]
+    assert await engine.tiered.tiers[1].backend.exists_many(keys) == [False, False, True, True]
+    # Once the shared tier has chunks 0-1 too (another writer), a store that writes anything there
+    # reports it whole, though this one skips the chunks it knows are stored (as an engine does).
+    await engine.tiered.tiers[1].backend.put_many(
+        [
+            (keys[i], codec.encode(keys[i], kv[:, :, :, i * CHUNK : (i + 1) * CHUNK, :], "float32"))
+            for i in (0, 1)
+        ]
+    )
+    await ram.backend.delete_many([keys[3]])
+    await engine.store(TOKENS, NS, kv, skip_tokens=2 * CHUNK, on_written=seen)
+    await engine.drain()
+    assert reports[1:] == [("cpu", 4 * CHUNK), ("fs", 4 * CHUNK)]
+    await engine.aclose()

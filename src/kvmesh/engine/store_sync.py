@@ -7,7 +7,7 @@ token, and the write runs in the background. A request released while its write 
 runner state until the export is done.
 
 When a write reaches a shared tier (Redis/Valkey, shared directory), a ``BlockStored`` with medium
-``"SHARED"`` announces the prompt's blocks from the root up to the last chunk that tier now holds:
+``"SHARED"`` announces the prompt's blocks from the root through the run of chunks that tier holds:
 every endpoint of the fleet can load them. The events wait in :meth:`StoreSync.take_events` and the
 engine is woken to publish them.
 """

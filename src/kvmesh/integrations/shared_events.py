@@ -1,8 +1,8 @@
 """SHARED announcements: a prompt's blocks reached a shared store tier, so every replica can load them.
 
 When a save's write lands in a shared tier (Redis/Valkey, a shared directory), the engine publishes
-one ``BlockStored`` with ``medium="SHARED"`` for the prompt's blocks from the root up to the end of
-the last chunk that tier now holds. The event names the blocks exactly as the engine's own events
+one ``BlockStored`` with ``medium="SHARED"`` for the prompt's blocks from the root through the run
+of chunks that tier holds (the store checks the chunks the save skipped). The event names the blocks exactly as the engine's own events
 do (its block hashes, block size, LoRA and extra keys), so a router keeps one identity per block::
 
     scheduler   lookup ─► PromptBlocks (the engine's names for the prompt's blocks)

@@ -220,11 +220,11 @@ class KVCacheEngine:
         if not todo:
             return
         held = await self.tiered.held_by_first_tier([keys[i] for i in todo])
-        held_end = max((i + 1 for i, h in zip(todo, held, strict=True) if h), default=0) * self.chunk_size
+        all_held = all(held)
         todo = [i for i, h in zip(todo, held, strict=True) if not h]
         if not todo:
-            if on_written is not None and held_end:
-                on_written(self.tiered.tiers[0].name, held_end)
+            if on_written is not None and all_held and first == 0 and self.tiered.tiers:
+                on_written(self.tiered.tiers[0].name, len(keys) * self.chunk_size)
             return
         codec = self.tiered.codec
         c = self.chunk_size
@@ -238,21 +238,27 @@ class KVCacheEngine:
             items = await asyncio.to_thread(encode)
         else:
             items = encode()
-        report = None if on_written is None else self._prefix_reporter(keys, held_end, on_written)
-        await self.tiered.put(items, report)
+        if on_written is None:
+            await self.tiered.put(items)
+            return
+        # Each tier confirms the chunks this put leaves out, so a report never claims a chunk
+        # that tier lacks (one the fastest tier kept and a slower one dropped or evicted).
+        written = set(todo)
+        vouch = [key for i, key in enumerate(keys) if i not in written]
+        await self.tiered.put(items, self._prefix_reporter(keys, on_written), vouch)
 
-    def _prefix_reporter(self, keys: list[StoreKey], held_end: int, on_written: PrefixWritten) -> TierWritten:
-        """Turn the tiers' "these keys are held" into "the prompt is held up to token ``end``".
-
-        ``held_end`` is how far the fastest tier already held the prompt (its put leaves those
-        chunks out, so they are added back for it).
-        """
+    def _prefix_reporter(self, keys: list[StoreKey], on_written: PrefixWritten) -> TierWritten:
+        """Turn a tier's "these keys are held" into "the prompt is held up to token ``end``": the
+        run of chunks from the prompt's start it holds (a reader's prefix lookup stops at a gap)."""
         position = {key: i for i, key in enumerate(keys)}
-        first_tier = self.tiered.tiers[0].name if self.tiered.tiers else None
 
-        def report(tier: str, written: list[StoreKey]) -> None:
-            end = (max(position[key] for key in written) + 1) * self.chunk_size
-            on_written(tier, max(end, held_end) if tier == first_tier else end)
+        def report(tier: str, held: list[StoreKey]) -> None:
+            have = {position[key] for key in held}
+            run = 0
+            while run in have:
+                run += 1
+            if run:
+                on_written(tier, run * self.chunk_size)
 
         return report
 

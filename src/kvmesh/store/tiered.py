@@ -89,6 +89,9 @@ class _WriteOp:
     keys: list[StoreKey] = field(default_factory=list)
     on_written: TierWritten | None = None
     """For "put": told which keys the tier holds once the write succeeded."""
+    vouch: list[StoreKey] = field(default_factory=list)
+    """For "put" with ``on_written``: keys not written whose presence the report should confirm
+    (checked in the same ``exists`` call; only those present are reported)."""
 
     @property
     def num_bytes(self) -> int:
@@ -324,7 +327,10 @@ class TieredStore:
         return [False] * len(keys) if answer is None else answer
 
     async def put(
-        self, items: Sequence[tuple[StoreKey, bytes]], on_written: TierWritten | None = None
+        self,
+        items: Sequence[tuple[StoreKey, bytes]],
+        on_written: TierWritten | None = None,
+        vouch: Sequence[StoreKey] = (),
     ) -> None:
         """Write encoded chunks to every tier: inline tiers now, queued tiers by their worker.
 
@@ -336,12 +342,15 @@ class TieredStore:
             on_written: called once per tier whose write succeeded (or that held every key
                 already), with the keys it now holds; a dropped write (full queue, open breaker,
                 timeout, unavailable backend) calls nothing.
+            vouch: other keys each tier checks (not writes) for the report: a caller that skipped
+                chunks learns which of them that tier really holds.
         """
         if not items:
             return
         batch = list(items)
+        vouched = list(vouch) if on_written is not None else []
         for tier in self.tiers:
-            op = _WriteOp("put", items=batch, on_written=on_written)
+            op = _WriteOp("put", items=batch, on_written=on_written, vouch=vouched)
             if tier.queued:
                 self._enqueue(tier, op)
             else:
@@ -386,12 +395,15 @@ class TieredStore:
         items = op.items
         held: list[StoreKey] = []
         if op.kind == "put":
-            present = await self._call(tier, "exists", partial(backend.exists_many, [k for k, _ in items]))
+            checked = [k for k, _ in items] + op.vouch
+            present = await self._call(tier, "exists", partial(backend.exists_many, checked))
             if present is None:
                 tier.counters.dropped_writes += len(items)
                 return
-            held = [key for (key, _), there in zip(items, present, strict=True) if there]
-            items = [item for item, there in zip(items, present, strict=True) if not there]
+            n = len(items)
+            held = [key for (key, _), there in zip(items, present[:n], strict=True) if there]
+            held += [key for key, there in zip(op.vouch, present[n:], strict=True) if there]
+            items = [item for item, there in zip(items, present[:n], strict=True) if not there]
             if not items:
                 _maybe_report(tier, op, held)
                 return
