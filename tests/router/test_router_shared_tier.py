@@ -131,3 +131,29 @@ def test_kv_cache_groups_are_each_publisher_own_in_a_mixed_fleet():
     ap.apply(A, BlockRemoved([14], medium=SHARED, group_idx=0))
     second = match(idx, other)
     assert second.shared is not None and second.shared.num_blocks == 3
+
+
+def test_publishers_with_their_own_hashes_share_one_entry_per_block():
+    """vLLM pods seeded apart name the same blocks with different hashes: the shared tier keeps the
+    block while any announcement of it stands."""
+    idx, ap = make()
+    ap.apply(A, BlockStored([1, 2, 3, 4], None, TOKENS[:64], 16, medium=SHARED))
+    ap.apply(B, BlockStored([91, 92, 93, 94], None, TOKENS[:64], 16, medium=SHARED))
+    ap.apply(A, BlockRemoved([3, 4], medium=SHARED))
+    m = match(idx)
+    assert m.shared is not None and m.shared.num_blocks == 4  # B's announcement still stands
+    ap.apply(B, BlockRemoved([94], medium=SHARED))
+    m = match(idx)
+    assert m.shared is not None and m.shared.num_blocks == 3
+
+
+def test_the_shared_tier_forgets_the_least_recently_announced_blocks_first():
+    idx, ap = make(per_pod=8)
+    hot, cold = TOKENS[:64], list(range(7000, 7064))
+    ap.apply(A, BlockStored([1, 2, 3, 4], None, hot, 16, medium=SHARED))
+    ap.apply(B, BlockStored([11, 12, 13, 14], None, cold, 16, medium=SHARED))
+    ap.apply(A, BlockStored([1, 2, 3, 4], None, hot, 16, medium=SHARED))  # written again: hot
+    ap.apply(B, BlockStored([21, 22], None, list(range(8000, 8032)), 16, medium=SHARED))  # 10 > 8
+    hot_match, cold_match = match(idx, hot), match(idx, cold)
+    assert hot_match.shared is not None and hot_match.shared.num_blocks == 4
+    assert cold_match.shared is None  # its first blocks went first

@@ -39,7 +39,7 @@ from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, BlockHasher, HashAlgo, Names
 from kvmesh.core.types import BlockKey, ExternalBlockHash, Medium, PodId
 from kvmesh.router.chain_namespaces import ChainNamespaces
 from kvmesh.router.engine_blocks import align_match, warn_block_size_mismatch
-from kvmesh.router.index import MEDIUM_BITS, SHARED_TIER_HOLDER, BlockIndex, MediumSet
+from kvmesh.router.index import ALL_MEDIA, MEDIUM_BITS, SHARED_TIER_HOLDER, BlockIndex, MediumSet
 from kvmesh.router.ingest_stats import IngestStats
 from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.kv_groups import GroupVerdict, KVGroupSelector
@@ -102,6 +102,10 @@ class EventApplier:
         self._noted: set[tuple[PodId, int, str]] = set()
         """(pod, engine block size, why) already logged: one line per pod and cause."""
         self._namespaces = ChainNamespaces(model, revision, block_size, self.algo)
+        self._shared_refs: dict[BlockKey, int] = {}
+        """Per router key, how many entries of the shared tier's map name it: publishers whose
+        engine hashes differ (vLLM pods seeded apart, a mixed fleet) each add one entry for the same
+        block, and the index entry goes only when the last one does."""
 
     def namespace(self, lora: str = "", tenant: str = "") -> Namespace:
         """The namespace requests with this LoRA and tenant hash into."""
@@ -193,6 +197,8 @@ class EventApplier:
         return dropped
 
     def _drop_blocks(self, pod: PodId) -> int:
+        if pod == SHARED_TIER_HOLDER:
+            self._shared_refs.clear()
         blocks = self._pods.pop(pod, None)
         sub = self._sub_keys.pop(pod, None)
         dropped = self.index.clear_pod(pod)
@@ -214,7 +220,7 @@ class EventApplier:
         for pod, blocks in self._pods.items():
             gone = [h for h, (_, ns_id, _) in blocks.items() if ns_id in wanted]
             if gone:
-                self.index.remove(self._pop_keys(pod, blocks, gone), pod)
+                self._index_remove(self._pop_keys(pod, blocks, gone), pod)
                 total += len(gone)
         return total
 
@@ -276,14 +282,19 @@ class EventApplier:
         parent_key, ns_id, keys = chain
         if self.memo is not None:
             self.memo.remember(parent_key, token_array[: n * bs].tobytes(), keys)
+        shared = pod == SHARED_TIER_HOLDER
         if blocks.keys().isdisjoint(hashes):
             # The common case (new blocks): build every entry at C speed.
             blocks.update(zip(hashes, zip(keys, repeat(ns_id), repeat(bits), strict=False), strict=True))
+            if shared:
+                self._shared_added(keys)
         else:
             get = blocks.get
             for h, key in zip(hashes, keys, strict=True):
-                old = get(h)
+                old = blocks.pop(h, None) if shared else get(h)  # shared: re-announced blocks move last
                 blocks[h] = (key, ns_id, bits if old is None else old[2] | bits)
+                if shared and old is None:
+                    self._shared_added((key,))
             sub = self._sub_keys.get(pod)
             if sub:
                 for h in hashes:
@@ -375,11 +386,14 @@ class EventApplier:
         if sub is None:
             sub = self._sub_keys[pod] = {}
         get = blocks.get
+        shared = pod == SHARED_TIER_HOLDER
         for i, h in enumerate(hashes):
             expanded = tuple(keys[i * per : (i + 1) * per])
-            old = get(h)
+            old = blocks.pop(h, None) if shared else get(h)
             blocks[h] = (expanded[-1], ns_id, bits if old is None else old[2] | bits)
             sub[h] = expanded
+            if shared and old is None:
+                self._shared_added(expanded)
         self.index.add(keys, pod, MediumSet(bits))
         self.stats.num_blocks_stored += n
         if len(blocks) > self.max_blocks_per_pod:
@@ -442,7 +456,7 @@ class EventApplier:
                 keys.extend(expanded)
             num_removed += 1
         if keys:
-            self.index.remove(keys, pod, MediumSet(bits))
+            self._index_remove(keys, pod, MediumSet(bits))
             self.stats.num_blocks_removed += num_removed
 
     def _add_shared(self, pod: PodId, hashes: Sequence[ExternalBlockHash]) -> None:
@@ -461,6 +475,7 @@ class EventApplier:
             if entry is None:
                 self.stats.num_unknown_hashes += 1
                 continue
+            new = shared.pop(h, None) is None  # a re-announced block moves last
             shared[h] = (entry[0], entry[1], _SHARED_BIT)
             expanded = None if sub is None else sub.get(h)
             if expanded is None:
@@ -468,12 +483,36 @@ class EventApplier:
             else:
                 self._sub_keys.setdefault(SHARED_TIER_HOLDER, {})[h] = expanded
                 keys.extend(expanded)
+            if new:
+                self._shared_added(keys[-1:] if expanded is None else expanded)
             num_added += 1
         if keys:
             self.index.add(keys, SHARED_TIER_HOLDER, MediumSet(_SHARED_BIT))
             self.stats.num_blocks_stored += num_added
             if len(shared) > self.max_blocks_per_pod:
                 self._overflow(SHARED_TIER_HOLDER, shared)
+
+    def _shared_added(self, keys: Sequence[BlockKey]) -> None:
+        refs = self._shared_refs
+        for key in keys:
+            refs[key] = refs.get(key, 0) + 1
+
+    def _index_remove(self, keys: list[BlockKey], pod: PodId, media: MediumSet = ALL_MEDIA) -> None:
+        """Remove ``pod``'s ``keys`` from the index; for the shared tier, only keys no remaining
+        entry of its map names."""
+        if pod == SHARED_TIER_HOLDER:
+            refs = self._shared_refs
+            last: list[BlockKey] = []
+            for key in keys:
+                n = refs.get(key, 0) - 1
+                if n > 0:
+                    refs[key] = n
+                else:
+                    refs.pop(key, None)
+                    last.append(key)
+            keys = last
+        if keys:
+            self.index.remove(keys, pod, media)
 
     def _overflow(self, pod: PodId, blocks: dict[ExternalBlockHash, _Entry]) -> None:
         excess = len(blocks) - self.max_blocks_per_pod
@@ -482,5 +521,5 @@ class EventApplier:
             oldest.append(h)
             if len(oldest) >= excess:
                 break
-        self.index.remove(self._pop_keys(pod, blocks, oldest), pod)
+        self._index_remove(self._pop_keys(pod, blocks, oldest), pod)
         self.stats.num_overflow += len(oldest)
