@@ -21,10 +21,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvmesh.core.events import BlockStored, KVEvent
+from kvmesh.core.events import KVEvent
 from kvmesh.core.types import Medium, PodId
 from kvmesh.engine.cost_model import CostModel
-from kvmesh.engine.prefix_cache import PrefixCache, engine_block_hash
+from kvmesh.engine.prefix_cache import PrefixCache, prefix_stored_event
 from kvmesh.engine.step_scheduler import (
     BatchLimits,
     Release,
@@ -357,15 +357,8 @@ class SimReplica:
     def _announce_shared(self, req: SimRequest, num_tokens: int) -> None:
         """Tell the router the shared tier holds ``req``'s first ``num_tokens`` (as the engine does
         once its write has landed), so every endpoint is credited with loading them."""
-        n = num_tokens // self.block_size
-        event = BlockStored(
-            block_hashes=[engine_block_hash(key) for key in req.keys[:n]],
-            parent_block_hash=None,
-            token_ids=list(req.prompt[: n * self.block_size]),
-            block_size=self.block_size,
-            medium=Medium.SHARED.value,
-        )
-        self.on_events(self.pod, [event])
+        keys = req.keys[: num_tokens // self.block_size]
+        self.on_events(self.pod, [prefix_stored_event(keys, req.prompt, self.block_size, "", Medium.SHARED)])
 
     def on_release(self, req: SimRequest, why: Release) -> None:
         if why is Release.PREEMPTED:
