@@ -212,6 +212,17 @@ async def test_stats_and_metrics() -> None:
     await engine.aclose()
 
 
+async def _put_chunks(engine: KVCacheEngine, tier: int, kv: np.ndarray, chunks: tuple[int, ...]) -> None:
+    """Put chunks of ``TOKENS`` straight into one tier, as another writer would have."""
+    keys = engine.chunk_keys(TOKENS, NS)
+    codec = engine.tiered.codec
+    items = [
+        (keys[i], codec.encode(keys[i], kv[:, :, :, i * CHUNK : (i + 1) * CHUNK, :], "float32"))
+        for i in chunks
+    ]
+    await engine.tiered.tiers[tier].backend.put_many(items)
+
+
 async def test_store_reports_how_far_each_tier_holds_the_prompt(tmp_path: Path) -> None:
     engine = _engine(shared_dir=f"file://{tmp_path}/shared")
     reports: list[tuple[str, int]] = []
@@ -240,13 +251,9 @@ async def test_store_reports_a_first_tier_that_already_held_chunks(tmp_path: Pat
     def seen(tier: str, end: int) -> None:
         reports.append((tier, end))
 
-    keys = engine.chunk_keys(TOKENS, NS)
-    codec = engine.tiered.codec
     kv = _kv(len(TOKENS))
     # Another writer put the last chunk there; this store writes chunks 0 to 2 and leaves it out.
-    await engine.tiered.tiers[0].backend.put_many(
-        [(keys[3], codec.encode(keys[3], kv[:, :, :, 3 * CHUNK : 4 * CHUNK, :], "float32"))]
-    )
+    await _put_chunks(engine, 0, kv, (3,))
     await engine.store(TOKENS, NS, kv, on_written=seen)
     await engine.drain()
     assert reports == [("fs", 4 * CHUNK)]
@@ -264,28 +271,17 @@ async def test_a_tier_is_reported_only_as_far_as_it_holds_the_prompt_from_its_st
         reports.append((tier, end))
 
     keys = engine.chunk_keys(TOKENS, NS)
-    codec = engine.tiered.codec
     kv = _kv(len(TOKENS))
     ram = engine.tiered.tiers[0]
     assert ram.name == "cpu"
-    await ram.backend.put_many(
-        [
-            (keys[i], codec.encode(keys[i], kv[:, :, :, i * CHUNK : (i + 1) * CHUNK, :], "float32"))
-            for i in (0, 1)
-        ]
-    )
+    await _put_chunks(engine, 0, kv, (0, 1))
     await engine.store(TOKENS, NS, kv, on_written=seen)
     await engine.drain()
     assert reports == [("cpu", 4 * CHUNK)]
     assert await engine.tiered.tiers[1].backend.exists_many(keys) == [False, False, True, True]
     # Once the shared tier has chunks 0-1 too (another writer), a store that writes anything there
     # reports it whole, though this one skips the chunks it knows are stored (as an engine does).
-    await engine.tiered.tiers[1].backend.put_many(
-        [
-            (keys[i], codec.encode(keys[i], kv[:, :, :, i * CHUNK : (i + 1) * CHUNK, :], "float32"))
-            for i in (0, 1)
-        ]
-    )
+    await _put_chunks(engine, 1, kv, (0, 1))
     await ram.backend.delete_many([keys[3]])
     await engine.store(TOKENS, NS, kv, skip_tokens=2 * CHUNK, on_written=seen)
     await engine.drain()

@@ -263,6 +263,8 @@ class EventApplier:
         blocks = self._pods.get(pod)
         if blocks is None:
             blocks = self._pods[pod] = {}
+        # A shared-tier chain may continue from a block only its publisher announced.
+        publisher = None if pod == origin else self._pods.get(origin)
         tokens = ev.token_ids
         if not tokens:
             self._add_tier(pod, blocks, hashes, bits)
@@ -271,12 +273,12 @@ class EventApplier:
         engine_bs = ev.block_size
         self._block_sizes[pod] = engine_bs
         if engine_bs != bs:
-            self._stored_resized(pod, ev, blocks, bits, self._pods.get(origin))
+            self._stored_resized(pod, ev, blocks, bits, publisher)
             return
         token_array = self._event_tokens(tokens, n * bs)
         if token_array is None:
             return
-        chain = self._chain_keys(ev, blocks, token_array, n, self._pods.get(origin))
+        chain = self._chain_keys(ev, blocks, token_array, n, publisher)
         if chain is None:
             return
         parent_key, ns_id, keys = chain
