@@ -7,15 +7,13 @@ import pytest
 import torch
 from integrations_helpers import bits, paged_cache, read_request, request_kv, write_request
 
+from kvmesh.core.torch_kv import from_store_array, store_dtype_name, to_store_array
 from kvmesh.integrations.paged_kv import (
     PagedLayout,
     check_layers,
     detect_geometry,
-    from_store_array,
     gather,
     scatter,
-    store_dtype_name,
-    to_store_array,
     token_slots,
 )
 

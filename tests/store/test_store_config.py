@@ -90,12 +90,26 @@ def test_missing_file_and_bad_env() -> None:
 
 
 def test_url_shorthand() -> None:
-    assert config_from_url("memory") == StoreConfig()
-    assert config_from_url("valkey://h:1/0").remote_url == "valkey://h:1/0"
-    assert config_from_url("file:///srv/kv").shared_dir_path() == Path("/srv/kv")
+    assert config_from_url("memory", env={}) == StoreConfig()
+    assert config_from_url("valkey://h:1/0", env={}).remote_url == "valkey://h:1/0"
+    assert config_from_url("file:///srv/kv", env={}).shared_dir_path() == Path("/srv/kv")
     assert resolve_config("redis://h:2").remote_url == "redis://h:2"
     with pytest.raises(ConfigError, match="unknown store URL"):
-        config_from_url("s3://bucket")
+        config_from_url("s3://bucket", env={})
+
+
+def test_url_shorthand_takes_environment_overrides() -> None:
+    env = {
+        "KVMESH_WRITE_QUEUE_MB": "4096",
+        "LMCACHE_MAX_LOCAL_CPU_SIZE": "2",
+        "KVMESH_SHARED_DIR": "/elsewhere",
+    }
+    config = config_from_url("file:///srv/kv", env=env)
+    assert config.write_queue_mb == 4096.0
+    assert config.max_local_cpu_size == 2.0
+    assert config.shared_dir_path() == Path("/srv/kv")  # the URL's own tier wins
+    with pytest.raises(ConfigError, match="write_queue_mb"):
+        config_from_url("memory", env={"KVMESH_WRITE_QUEUE_MB": "lots"})
 
 
 def test_hmac_key_forms() -> None:

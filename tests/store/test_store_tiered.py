@@ -236,6 +236,33 @@ async def test_write_timeout_grows_with_the_bytes_written() -> None:
     await store.aclose()
 
 
+class SlowGets(FlakyBackend):
+    """Reads take ``get_delay_s``; everything else is instant."""
+
+    get_delay_s = 0.3
+
+    async def get_many(self, keys: Sequence[StoreKey]) -> list[bytes | None]:
+        await asyncio.sleep(self.get_delay_s)
+        return await super().get_many(keys)
+
+
+async def test_read_timeout_grows_with_the_chunks_asked_for() -> None:
+    """A healthy tier that needs 0.3 s for a read, under a 0.2 s limit: while the store knows no
+    chunk size the read is a miss; once it has seen 4 MiB chunks, one key gets 0.2 s more and hits."""
+    slow = SlowGets()
+    big = make_chunk(KEYS[0], tokens=32_768)
+    assert len(big) >= 4 << 20
+    await slow.inner.put_many([(KEYS[0], big)])
+    store, _, _ = two_tier(slow, timeout_s=0.2)
+    assert store.chunk_bytes == 0
+    assert (await store.get_prefix(KEYS[:1])).num_chunks == 0
+    assert store.tiers[1].counters.timeouts == 1
+    store.expect_chunk_bytes(len(big))
+    assert (await store.get_prefix(KEYS[:1])).num_chunks == 1
+    assert store.tiers[1].counters.timeouts == 1
+    await store.aclose()
+
+
 class _Recorder:
     """Collects ``on_written`` reports: (tier, keys)."""
 

@@ -369,19 +369,47 @@ def _byte_level_tokenizer() -> Any:
 def _build_tiny(out: Path) -> ModelFiles:
     """Write the tiny random Llama (seeded weights) and its byte-level tokenizer into ``out``."""
     try:
+        config = tiny_llama_config(vocab_size=len(_byte_level_tokenizer()))
+    except ImportError as exc:
+        raise ModelLoadError(f"cannot build the tiny random model: {exc}") from exc
+    return write_random_model(out, config, name=TINY_NAME, seed=TINY_SEED)
+
+
+def write_random_model(
+    out: Path, config: Any, *, name: str, seed: int, dtype: str = "float32", device: str = "cpu"
+) -> ModelFiles:
+    """Write a causal LM of ``config`` with seeded random weights and the byte-level tokenizer.
+
+    Random weights cost what trained ones do per token, so a model of a real shape (layers, heads,
+    hidden size) times prefill and KV transfer like the real one; its outputs mean nothing.
+    ``config.vocab_size`` is set to the tokenizer's (259), so every sampled id decodes.
+
+    Args:
+        out: directory to write (``config.json``, safetensors, tokenizer files).
+        config: a transformers ``PretrainedConfig`` of a causal LM.
+        name: model name recorded in the config.
+        seed: torch seed for the weights.
+        dtype: weight dtype name (``float32``, ``float16``, ``bfloat16``).
+        device: where to initialise the weights (``"cuda"`` is much faster for large shapes).
+
+    Raises:
+        ModelLoadError: transformers/torch missing, or the files cannot be written.
+    """
+    try:
         import torch
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
 
         tokenizer = _byte_level_tokenizer()
-        config = tiny_llama_config(vocab_size=len(tokenizer))
-        config.name_or_path = TINY_NAME
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(TINY_SEED)
-            model = LlamaForCausalLM(config)
+        config.vocab_size = len(tokenizer)
+        config.name_or_path = name
+        torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+        with torch.random.fork_rng(devices=[]), torch.device(device):
+            torch.manual_seed(seed)
+            if device.startswith("cuda"):
+                torch.cuda.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
-    except (OSError, ValueError, RuntimeError, ImportError) as exc:
-        raise ModelLoadError(f"cannot build the tiny random model: {exc}") from exc
-    return ModelFiles(
-        path=out, name=TINY_NAME, revision=f"random-s{TINY_SEED}", source=f"random:seed={TINY_SEED}"
-    )
+    except (OSError, ValueError, RuntimeError, ImportError, KeyError) as exc:
+        raise ModelLoadError(f"cannot build the random model {name}: {exc}") from exc
+    return ModelFiles(path=out, name=name, revision=f"random-s{seed}", source=f"random:seed={seed}")

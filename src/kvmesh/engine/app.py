@@ -142,7 +142,7 @@ async def build_engine(opts: EngineOptions, *, runner: ModelRunner | None = None
         capacity = runner.cost.kv_capacity_tokens()
     else:
         capacity = 32_768
-    cache = PrefixCache(capacity, opts.block_size, hasher, keep_kv=not emulated)
+    cache = PrefixCache(capacity, opts.block_size, hasher, keep_kv=not emulated, kv_ops=runner.kv_ops)
     preset = runner.preset if isinstance(runner, EmulatedRunner) else None
     sched = SchedulerConfig(
         max_num_seqs=opts.max_num_seqs or (preset.max_num_seqs if preset else 16),
@@ -161,6 +161,7 @@ async def build_engine(opts: EngineOptions, *, runner: ModelRunner | None = None
             await engine.aclose()
             raise ValueError(f"store block_size {engine.block_size} != engine block_size {opts.block_size}")
         engine.bind_layout(info.kv.dtype, info.kv.name())
+        engine.tiered.expect_chunk_bytes(engine.chunk_size * info.kv.bytes_per_token)
         store = CacheEngineStore(engine, namespace)
     publisher: EventPublisher = NullEventPublisher()
     events_endpoint = replay_endpoint = None

@@ -16,7 +16,7 @@ import numpy as np
 import xxhash
 
 from kvmesh.engine.cost_model import CostModel, CostPreset, get_preset
-from kvmesh.engine.runner import ModelRunner, RunnerInfo, Sequence, StepOutput, StepPlan
+from kvmesh.engine.runner import NUMPY_KV, KVOps, ModelRunner, RunnerInfo, Sequence, StepOutput, StepPlan
 
 
 class EmulatedRunner:
@@ -51,6 +51,7 @@ class EmulatedRunner:
             kv=spec.kv_layout(),
             device=f"emulated:{self.preset.name}",
         )
+        self.kv_ops: KVOps = NUMPY_KV
         self._clock = clock
         self.busy_until = 0.0
         self.busy_seconds = 0.0

@@ -12,9 +12,9 @@ turns reservations into cached blocks; ``free`` unpins them (they become evictab
 and returns what was left of the reservation. Eviction takes the least recently freed block first, and
 a chain's blocks are freed tail first so a chain is evicted from its end, keeping its head reusable.
 
-KV (torch mode) is kept by reference: a block points into the array it was computed or loaded in,
-so caching a 2048-token prefix copies nothing and a hit on it returns a slice. An array lives as long
-as any of its blocks does.
+KV (torch mode) is kept per block, in the runner's form (:class:`~kvmesh.engine.runner.KVOps`: numpy
+on the CPU, device tensors on a GPU, so a hit never leaves the device). Each block holds its own
+contiguous copy, so the memory held is exactly the cached blocks; a hit joins them.
 
 Every change is recorded as a vLLM KV event (medium "GPU"), drained by :meth:`PrefixCache.take_events`.
 The engine's block hash on the wire is the first 8 bytes of the :data:`BlockKey`, big-endian.
@@ -34,6 +34,7 @@ import numpy as np
 from kvmesh.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
 from kvmesh.core.types import BlockKey, Medium
+from kvmesh.engine.runner import NUMPY_KV, KVArray, KVOps
 
 
 def engine_block_hash(key: BlockKey) -> int:
@@ -74,8 +75,8 @@ class _Block:
     key: BlockKey
     parent: BlockKey | None
     ref_count: int = 0
-    kv_base: np.ndarray | None = None
-    """The array this block's KV lives in (shared with its neighbours; never copied per block)."""
+    kv_base: KVArray | None = None
+    """The array this block's KV lives in."""
     kv_offset: int = 0
     """Token offset of the block inside ``kv_base``."""
 
@@ -103,6 +104,7 @@ class PrefixCache:
         hasher: key chain for the default namespace; tenants get ``namespace.for_tenant(t)``.
         medium: the ``medium`` of published events.
         keep_kv: store each block's KV array (torch mode); ``False`` for emulated and simulated use.
+        kv_ops: how to copy and join the runner's KV arrays (numpy by default).
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class PrefixCache:
         *,
         medium: str = Medium.GPU.value,
         keep_kv: bool = True,
+        kv_ops: KVOps = NUMPY_KV,
     ) -> None:
         if capacity_tokens < block_size:
             raise ValueError(f"capacity_tokens={capacity_tokens} is less than one block of {block_size}")
@@ -123,6 +126,7 @@ class PrefixCache:
         self.capacity_blocks = capacity_tokens // block_size
         self.medium = medium
         self.keep_kv = keep_kv
+        self.kv_ops = kv_ops
         self._blocks: dict[BlockKey, _Block] = {}
         self._free: OrderedDict[BlockKey, None] = OrderedDict()
         self._hashers: dict[str, BlockHasher] = {"": self.hasher} if not self.hasher.namespace.tenant else {}
@@ -165,7 +169,7 @@ class PrefixCache:
         """Every cached block key (pinned or free)."""
         return set(self._blocks)
 
-    def get_kv(self, keys: Sequence[BlockKey]) -> np.ndarray | None:
+    def get_kv(self, keys: Sequence[BlockKey]) -> KVArray | None:
         """KV of consecutive cached blocks on the token axis: (L, 2, H, n·block_size, D).
 
         Blocks cached from one array at consecutive offsets come back as one slice of it (no copy);
@@ -175,7 +179,7 @@ class PrefixCache:
             ``None`` when ``keys`` is empty, a block is missing, or blocks carry no KV.
         """
         bs = self.block_size
-        runs: list[tuple[np.ndarray, int, int]] = []
+        runs: list[tuple[KVArray, int, int]] = []
         for key in keys:
             block = self._blocks.get(key)
             if block is None or block.kv_base is None:
@@ -188,7 +192,7 @@ class PrefixCache:
         if not runs:
             return None
         parts = [base[:, :, :, lo:hi] for base, lo, hi in runs]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=3)
+        return parts[0] if len(parts) == 1 else self.kv_ops.concat(parts)
 
     # ---------------------------------------------------------------- accounting
 
@@ -278,7 +282,7 @@ class PrefixCache:
         alloc: Allocation,
         keys: Sequence[BlockKey],
         token_ids: Sequence[int] | np.ndarray,
-        kv: np.ndarray | None = None,
+        kv: KVArray | None = None,
         kv_start: int = 0,
         tenant: str = "",
     ) -> int:
@@ -327,7 +331,7 @@ class PrefixCache:
                 if kv is not None and self.keep_kv:
                     lo = i * bs - kv_start
                     assert lo >= 0, f"kv_start={kv_start} is past block {i}"
-                    block_kv = np.ascontiguousarray(kv[:, :, :, lo : lo + bs])
+                    block_kv = self.kv_ops.copy(kv[:, :, :, lo : lo + bs])
                 block = _Block(key, keys[i - 1] if i else None, 1, block_kv)
                 self._blocks[key] = block
                 run.append(block)

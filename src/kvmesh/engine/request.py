@@ -7,10 +7,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from kvmesh.core.tenancy import Role
-from kvmesh.engine.runner import SamplingParams, Sequence
+from kvmesh.engine.runner import KVArray, SamplingParams, Sequence
 from kvmesh.engine.step_scheduler import ScheduledRequest
 from kvmesh.engine.store_connector import LoadedPrefix
 
@@ -68,7 +66,7 @@ class EngineRequest(ScheduledRequest):
         self.role = role
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.loaded: LoadedPrefix | None = None
-        self.prefix_kv: np.ndarray | None = None
+        self.prefix_kv: KVArray | None = None
         """KV of the cached prefix for the first chunk when it came from the store."""
         self.num_cached_tokens = 0
         self.cached_tier: str | None = None

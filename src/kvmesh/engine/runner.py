@@ -5,20 +5,66 @@ tokens share a per-step token budget. A runner executes the step and returns the
 Two runners implement it: :mod:`kvmesh.engine.torch_runner` (real KV from a real model) and
 :mod:`kvmesh.engine.emulated_runner` (no tensors; sleeps as long as a GPU would take).
 
-KV crosses this boundary as one numpy array per token range::
+KV crosses this boundary as one array per token range::
 
     kv[layer, k_or_v, kv_head, token, head_dim]      shape (L, 2, H, T, D), dtype = KVLayout.dtype
 
 which is also the payload layout of store chunks, so a prefix loaded from the store or from the
-device-tier cache is handed to ``PrefillChunk.cached_kv`` without reshaping.
+device-tier cache is handed to ``PrefillChunk.cached_kv`` without reshaping. The array lives where the
+runner computes: a numpy array for CPU runners, a tensor in GPU memory for a CUDA runner, so the
+device tier keeps KV on the device and a hit never crosses the bus. The runner's :class:`KVOps` copy,
+join and convert its arrays; only the store sees numpy (``to_host``/``from_host``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import numpy as np
+
+KVArray: TypeAlias = Any
+"""A runner's KV of a token range, (L, 2, H, T, D): numpy on the CPU, a device tensor on a GPU."""
+
+
+class KVOps(Protocol):
+    """What the engine does with a runner's KV arrays without knowing where they live."""
+
+    def copy(self, kv: KVArray) -> KVArray:
+        """A contiguous copy that keeps nothing else alive (one device-tier block)."""
+        ...
+
+    def concat(self, parts: Seq[KVArray]) -> KVArray:
+        """``parts`` joined on the token axis."""
+        ...
+
+    def to_host(self, kv: KVArray) -> np.ndarray:
+        """The store's numpy form (bfloat16 as uint16 bit patterns). Blocks while a device copies."""
+        ...
+
+    def from_host(self, array: np.ndarray) -> KVArray:
+        """A store array in the runner's form. Blocks while a device copies."""
+        ...
+
+
+class NumpyKVOps:
+    """KV as numpy arrays in host memory (CPU runners, emulation, tests)."""
+
+    def copy(self, kv: KVArray) -> KVArray:
+        return np.array(kv, copy=True, order="C")
+
+    def concat(self, parts: Seq[KVArray]) -> KVArray:
+        return np.concatenate(parts, axis=3)
+
+    def to_host(self, kv: KVArray) -> np.ndarray:
+        return np.asarray(kv)
+
+    def from_host(self, array: np.ndarray) -> KVArray:
+        return array
+
+
+NUMPY_KV = NumpyKVOps()
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +143,7 @@ class PrefillChunk:
     seq: Sequence
     start: int
     end: int
-    cached_kv: np.ndarray | None = None
+    cached_kv: KVArray | None = None
     cached_tier: str | None = None
 
 
@@ -130,13 +176,16 @@ class ModelRunner(Protocol):
     """Executes scheduler steps. Implementations must not block the event loop."""
 
     info: RunnerInfo
+    kv_ops: KVOps
+    """How the engine copies, joins and converts this runner's KV arrays."""
 
     async def execute(self, plan: StepPlan) -> StepOutput:
         """Run one step; on return each sequence's ``num_computed_tokens`` is advanced."""
         ...
 
-    def export_kv(self, seq: Sequence, start: int, end: int) -> np.ndarray | None:
-        """KV of ``seq.token_ids[start:end]`` as (L, 2, H, end-start, D); ``None`` if the runner has none."""
+    def export_kv(self, seq: Sequence, start: int, end: int) -> KVArray | None:
+        """A copy of the KV of ``seq.token_ids[start:end]``, (L, 2, H, end-start, D), in the runner's
+        form (see :attr:`kv_ops`); ``None`` if the runner has none."""
         ...
 
     def free(self, seq: Sequence) -> None:

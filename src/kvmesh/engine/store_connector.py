@@ -20,10 +20,11 @@ from kvmesh.core.types import Medium
 
 @dataclass(frozen=True, slots=True)
 class LoadedPrefix:
-    """KV of a stored prefix: ``kv`` is (L, 2, H, num_tokens, D); ``tier`` names where it came from."""
+    """KV of a stored prefix: ``kv`` is (L, 2, H, num_tokens, D) (numpy from the store; the engine
+    moves it into the runner's form before admission); ``tier`` names where it came from."""
 
     num_tokens: int
-    kv: np.ndarray
+    kv: Any
     tier: str
 
 

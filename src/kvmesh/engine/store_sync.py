@@ -18,14 +18,12 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-import numpy as np
-
 from kvmesh.core.events import KVEvent
 from kvmesh.core.tenancy import Role
 from kvmesh.core.types import BlockKey, Medium
 from kvmesh.engine.prefix_cache import PrefixCache, prefix_stored_event
 from kvmesh.engine.request import EngineRequest, EngineStats
-from kvmesh.engine.runner import ModelRunner, Sequence
+from kvmesh.engine.runner import NUMPY_KV, KVArray, ModelRunner, Sequence
 from kvmesh.engine.store_connector import LoadedPrefix, NullPrefixStore, PrefixStore, StoreWritten
 
 logger = logging.getLogger(__name__)
@@ -100,6 +98,9 @@ class StoreSync:
         num_tokens = min(loaded.num_tokens, limit_tokens)
         num_tokens -= num_tokens % bs
         kv = loaded.kv[:, :, :, :num_tokens] if loaded.kv.shape[3] != num_tokens else loaded.kv
+        if self.runner.kv_ops is not NUMPY_KV:
+            # Into device memory off the event loop: gigabytes for a long prompt of a large model.
+            kv = await asyncio.to_thread(self.runner.kv_ops.from_host, kv)
         req.loaded = LoadedPrefix(num_tokens, kv, loaded.tier)
 
     # ---------------------------------------------------------------- writes
@@ -152,14 +153,17 @@ class StoreSync:
         self,
         tokens: list[int],
         tenant: str,
-        kv: np.ndarray,
+        kv: KVArray,
         skip: int,
         role: Role,
         done: asyncio.Future[None],
         on_written: StoreWritten | None,
     ) -> None:
         try:
-            await self.store.store(tokens, tenant, kv, skip, on_written=on_written)
+            ops = self.runner.kv_ops
+            # Out of device memory off the event loop (the copy waits for the step in flight).
+            host = kv if ops is NUMPY_KV else await asyncio.to_thread(ops.to_host, kv)
+            await self.store.store(tokens, tenant, host, skip, on_written=on_written)
             if role is Role.PREFILL:
                 # The decode side reads this KV next: it must have reached every tier.
                 await self.store.drain()

@@ -20,6 +20,11 @@ first chunk whose ``start`` reaches ``len(token_ids)`` (the whole prompt was cac
 Threading: ``execute`` runs the step on one dedicated worker thread, so steps never overlap and the
 event loop stays free. ``export_kv`` and ``free`` run on the caller's thread; call them only for
 sequences that are not part of the step in flight.
+
+Where KV lives: on the CPU the runner's KV arrays are numpy (:data:`~kvmesh.engine.runner.NUMPY_KV`);
+on a GPU they are tensors in device memory (:class:`DeviceKVOps`), so the engine's device tier keeps
+cached blocks on the GPU and a hit is a device-side copy. Only store reads and writes cross the bus,
+off the event loop.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +41,12 @@ import torch
 
 from kvmesh.core.models import resolve_model
 from kvmesh.core.tokens import Tokenizer
+from kvmesh.core.torch_kv import from_store_array, store_dtype_name, to_store_array
 from kvmesh.engine.runner import (
+    NUMPY_KV,
+    KVArray,
     KVLayout,
+    KVOps,
     ModelRunner,
     PrefillChunk,
     RunnerInfo,
@@ -52,8 +62,29 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-"""Model dtypes by flag value. KV leaves the runner as float32 for bfloat16 models (numpy has no
-bfloat16; the widening is exact), as float16 for float16 models."""
+"""Model dtypes by flag value. KV leaves the runner in the model's dtype (bfloat16 as uint16 bit
+patterns, :mod:`kvmesh.core.torch_kv`), so a bfloat16 model stores 2 bytes per element and its
+chunks share the store namespace of other bfloat16 publishers of the same layout (vLLM's connector)."""
+
+
+class DeviceKVOps:
+    """KV as tensors in one device's memory, in the model's dtype."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device = device
+        self.dtype = dtype
+
+    def copy(self, kv: KVArray) -> KVArray:
+        return kv.clone(memory_format=torch.contiguous_format)
+
+    def concat(self, parts: Sequence_[KVArray]) -> KVArray:
+        return torch.cat(list(parts), dim=3)
+
+    def to_host(self, kv: KVArray) -> np.ndarray:
+        return to_store_array(kv)
+
+    def from_host(self, array: np.ndarray) -> KVArray:
+        return from_store_array(array, self.dtype).to(self.device)
 
 
 @dataclass(slots=True)
@@ -80,6 +111,7 @@ class TorchRunner:
         tokenizer: Tokenizer | None = None,
         keep_decode_logits: bool = False,
         batch_decodes: bool = True,
+        tensor_kv: bool | None = None,
     ) -> None:
         """Wrap ``model`` (already on its device, in eval mode).
 
@@ -92,13 +124,17 @@ class TorchRunner:
             keep_decode_logits: also report logits rows for decode tokens (prefills always do).
             batch_decodes: run a step's single-token decodes as one padded batch (one pass over
                 the weights) instead of one forward per sequence.
+            tensor_kv: hand KV to the engine as tensors on the model's device (:class:`DeviceKVOps`)
+                rather than numpy; default: on every device but the CPU.
         """
         config = model.config
         self.model = model
         self.config = config
         self.device = next(model.parameters()).device
         self.dtype: torch.dtype = next(model.parameters()).dtype
-        self.kv_dtype = torch.float16 if self.dtype == torch.float16 else torch.float32
+        if tensor_kv is None:
+            tensor_kv = self.device.type != "cpu"
+        self.kv_ops: KVOps = DeviceKVOps(self.device, self.dtype) if tensor_kv else NUMPY_KV
         self.tokenizer = tokenizer
         self.keep_decode_logits = keep_decode_logits
         self.batch_decodes = batch_decodes
@@ -119,7 +155,7 @@ class TorchRunner:
                 num_layers=int(config.num_hidden_layers),
                 num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
                 head_dim=head_dim,
-                dtype="float16" if self.kv_dtype == torch.float16 else "float32",
+                dtype=store_dtype_name(self.dtype),
             ),
             device=str(self.device),
         )
@@ -136,6 +172,7 @@ class TorchRunner:
         num_threads: int | None = None,
         keep_decode_logits: bool = False,
         batch_decodes: bool = True,
+        tensor_kv: bool | None = None,
     ) -> TorchRunner:
         """Resolve ``spec`` (see :func:`kvmesh.core.models.resolve_model`) and load it.
 
@@ -148,7 +185,7 @@ class TorchRunner:
                 process-wide). ``None`` on CPU means half the cores, at least one: several replicas
                 and their clients usually share a small machine, and oversubscribed OpenMP threads
                 slow every step many times over. Ignored on CUDA unless given.
-            keep_decode_logits, batch_decodes: see ``__init__``.
+            keep_decode_logits, batch_decodes, tensor_kv: see ``__init__``.
 
         Raises:
             ModelLoadError: files missing or unreadable, or CUDA requested but unavailable.
@@ -185,6 +222,7 @@ class TorchRunner:
             tokenizer=tokenizer,
             keep_decode_logits=keep_decode_logits,
             batch_decodes=batch_decodes,
+            tensor_kv=tensor_kv,
         )
 
     async def execute(self, plan: StepPlan) -> StepOutput:
@@ -218,8 +256,9 @@ class TorchRunner:
                 self._run_decode(seq, out)
         return out
 
-    def export_kv(self, seq: Sequence, start: int, end: int) -> np.ndarray | None:
-        """KV of ``seq.token_ids[start:end]`` as a new (L, 2, H, end-start, D) array.
+    def export_kv(self, seq: Sequence, start: int, end: int) -> KVArray | None:
+        """A copy of the KV of ``seq.token_ids[start:end]``, (L, 2, H, end-start, D), in :attr:`kv_ops`'
+        form: numpy in the store's dtype on the CPU, a tensor in device memory on a GPU.
 
         Returns:
             ``None`` when the sequence has no runner state (never prefilled, or freed).
@@ -237,8 +276,8 @@ class TorchRunner:
             torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end]))
             for layer in state.cache.layers
         ]
-        kv = torch.stack(per_layer).to(device="cpu", dtype=self.kv_dtype)
-        return np.ascontiguousarray(kv.numpy())
+        kv = torch.stack(per_layer)
+        return to_store_array(kv) if self.kv_ops is NUMPY_KV else kv
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's cache and random stream."""
@@ -250,7 +289,7 @@ class TorchRunner:
 
     # -- step internals (worker thread) ------------------------------------------------------
 
-    def _prepare_prefill(self, chunk: PrefillChunk) -> tuple[int, int, np.ndarray | None]:
+    def _prepare_prefill(self, chunk: PrefillChunk) -> tuple[int, int, KVArray | None]:
         """Validate a chunk; return the effective (start, end, prefix kv) after the prefix cap."""
         seq = chunk.seq
         total = len(seq.token_ids)
@@ -286,6 +325,19 @@ class TorchRunner:
                 f"{seq.request_id}: cached_kv shape {kv.shape} does not match the model's "
                 f"(L, 2, H, T, D) = ({expected[0]}, 2, {expected[2]}, T, {expected[3]})"
             )
+        if isinstance(kv, torch.Tensor):
+            if kv.dtype != self.dtype or kv.device != self.device:
+                raise ValueError(
+                    f"{seq.request_id}: cached_kv is {kv.dtype} on {kv.device}, the model's KV is "
+                    f"{self.dtype} on {self.device}"
+                )
+        else:
+            carried = "uint16" if layout.dtype == "bfloat16" else layout.dtype
+            if kv.dtype.name != carried:
+                raise ValueError(
+                    f"{seq.request_id}: cached_kv dtype {kv.dtype} does not match the model's KV "
+                    f"({layout.dtype}, carried as {carried})"
+                )
         if kv.shape[3] < start:
             raise ValueError(
                 f"{seq.request_id}: cached_kv holds {kv.shape[3]} tokens, chunk starts at {start}"
@@ -304,27 +356,24 @@ class TorchRunner:
                 f"{seq.request_id}: {len(seq.token_ids)} tokens exceed max_model_len {self.info.max_model_len}"
             )
 
-    def _new_state(self, seq: Sequence, kv: np.ndarray | None) -> _SeqState:
+    def _new_state(self, seq: Sequence, kv: KVArray | None) -> _SeqState:
         from transformers import DynamicCache
 
         if kv is None:
             cache = DynamicCache(config=self.config)
         else:
-            if not kv.flags.writeable:
-                kv = kv.copy()  # torch refuses to wrap read-only memory (e.g. np.frombuffer of bytes)
             layers = [
                 (self._to_device(kv[layer, 0]), self._to_device(kv[layer, 1])) for layer in range(kv.shape[0])
             ]
             cache = DynamicCache(ddp_cache_data=layers, config=self.config)
         return _SeqState(cache=cache, generator=make_generator(seq.sampling))
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array).to(device=self.device, dtype=self.dtype)
-        return tensor.unsqueeze(0).contiguous()
+    def _to_device(self, array: KVArray) -> torch.Tensor:
+        """One layer's K or V, (H, T, D), as a fresh (1, H, T, D) cache tensor on the device."""
+        tensor = array if isinstance(array, torch.Tensor) else from_store_array(array, self.dtype)
+        return tensor.to(device=self.device).unsqueeze(0).clone(memory_format=torch.contiguous_format)
 
-    def _run_prefill(
-        self, seq: Sequence, start: int, end: int, kv: np.ndarray | None, out: StepOutput
-    ) -> None:
+    def _run_prefill(self, seq: Sequence, start: int, end: int, kv: KVArray | None, out: StepOutput) -> None:
         state = seq.runner_state
         if not isinstance(state, _SeqState):
             state = self._new_state(seq, kv)

@@ -29,14 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-import numpy as np
 import torch
 
-_STORE_DTYPES: dict[torch.dtype, str] = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-}
+from kvmesh.core.torch_kv import store_dtype_name
 
 
 class PagedLayout(StrEnum):
@@ -83,18 +78,6 @@ class PagedGeometry:
     def store_dtype(self) -> str:
         """The store's name for this dtype ("float32", "float16", "bfloat16")."""
         return store_dtype_name(self.dtype)
-
-
-def store_dtype_name(dtype: torch.dtype) -> str:
-    """The store's KV dtype name for a torch dtype.
-
-    Raises:
-        ValueError: a dtype the store cannot carry (e.g. an fp8 KV cache).
-    """
-    name = _STORE_DTYPES.get(dtype)
-    if name is None:
-        raise ValueError(f"KV cache dtype must be float32, float16 or bfloat16, got {dtype}")
-    return name
 
 
 def detect_geometry(
@@ -326,28 +309,3 @@ def scatter(
             flat.index_copy_(1, flat_slots, values)
         else:
             _put(layer, geometry, blocks, offsets, values)
-
-
-def to_store_array(kv: torch.Tensor) -> np.ndarray:
-    """A CPU numpy array of ``kv`` in the store's dtype (bfloat16 → uint16 bit patterns)."""
-    kv = kv.detach().to("cpu").contiguous()
-    if kv.dtype == torch.bfloat16:
-        return kv.view(torch.int16).numpy().view(np.uint16)
-    store_dtype_name(kv.dtype)
-    return kv.numpy()
-
-
-def from_store_array(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of ``dtype`` from a store array (uint16 bit patterns when ``dtype`` is bfloat16).
-
-    Raises:
-        ValueError: the array's dtype cannot hold ``dtype``'s values bit for bit.
-    """
-    if dtype == torch.bfloat16:
-        if array.dtype != np.uint16:
-            raise ValueError(f"bfloat16 KV must arrive as uint16 bit patterns, got {array.dtype}")
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    name = store_dtype_name(dtype)
-    if array.dtype.name != name:
-        raise ValueError(f"store array is {array.dtype}, the cache is {name}")
-    return torch.from_numpy(array)

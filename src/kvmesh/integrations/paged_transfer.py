@@ -15,14 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvmesh.integrations.paged_kv import (
-    PagedGeometry,
-    from_store_array,
-    gather,
-    scatter,
-    to_store_array,
-    token_slots,
-)
+from kvmesh.core.torch_kv import from_store_array, to_store_array
+from kvmesh.integrations.paged_kv import PagedGeometry, gather, scatter, token_slots
 from kvmesh.integrations.request_tracker import LoadSpec, SaveSpec
 from kvmesh.integrations.store_bridge import StoreBridge
 from kvmesh.store.cache_engine import PrefixWritten

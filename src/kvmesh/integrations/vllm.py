@@ -42,9 +42,10 @@ from typing import Any, TypeVar
 import torch
 
 from kvmesh.core.hashing import Namespace
+from kvmesh.core.torch_kv import store_dtype_name
 from kvmesh.core.types import ExternalBlockHash, Medium
 from kvmesh.integrations.connector_config import ConnectorSettings
-from kvmesh.integrations.paged_kv import PagedLayout, check_layers, detect_geometry, store_dtype_name
+from kvmesh.integrations.paged_kv import PagedLayout, check_layers, detect_geometry
 from kvmesh.integrations.paged_transfer import PagedKVTransfer
 from kvmesh.integrations.request_tracker import LoadSpec, RequestTracker, SaveSpec
 from kvmesh.integrations.shared_events import PromptBlocks, SharedWriteAnnouncer

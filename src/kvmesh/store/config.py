@@ -233,20 +233,24 @@ def load_config(
     return config_from_mapping(data, source=source)
 
 
-def config_from_url(url: str) -> StoreConfig:
+def config_from_url(url: str, env: Mapping[str, str] | None = None) -> StoreConfig:
     """URL shorthand: ``memory``, ``redis://…`` / ``valkey://…`` (RAM + remote), ``file:///dir``
-    (RAM + shared directory).
+    (RAM + shared directory). ``KVMESH_*`` / ``LMCACHE_*`` variables set the other fields, as they
+    do for a YAML file; the URL's own tier wins over a variable naming the same field.
 
     Raises:
-        ConfigError: an unknown shorthand.
+        ConfigError: an unknown shorthand, or a bad variable value.
     """
+    data = env_overrides(os.environ if env is None else env)
     if url == "memory":
-        return StoreConfig()
-    if is_redis_url(url):
-        return StoreConfig(remote_url=url)
-    if url.startswith("file://"):
-        return StoreConfig(shared_dir=url)
-    raise ConfigError(f"unknown store URL {url!r}: expected memory, redis://, valkey:// or file:///dir")
+        pass
+    elif is_redis_url(url):
+        data["remote_url"] = url
+    elif url.startswith("file://"):
+        data["shared_dir"] = url
+    else:
+        raise ConfigError(f"unknown store URL {url!r}: expected memory, redis://, valkey:// or file:///dir")
+    return config_from_mapping(data, source=url)
 
 
 def resolve_config(config: StoreConfig | str | os.PathLike[str] | None) -> StoreConfig:

@@ -48,10 +48,12 @@ TierWritten: TypeAlias = Callable[[str, list[StoreKey]], None]
 """``(tier name, keys)``: after one :meth:`TieredStore.put` reached a tier, the keys of that put
 the tier now holds (written now or held already). Called on the event loop; must not raise."""
 
-WRITE_SECONDS_PER_MIB = 0.05
-"""Extra timeout per MiB written (a 20 MiB/s floor): float32 chunks of small models are ~12 MiB
-each, and a batch of them on a busy machine outlasts a fixed one-second limit while the tier is
-healthy. Writes run in the background, so a longer limit never stalls an engine."""
+TRANSFER_SECONDS_PER_MIB = 0.05
+"""Extra timeout per MiB moved (a 20 MiB/s floor): float32 chunks of small models are ~12 MiB each,
+an 8B model's bfloat16 chunk 32 MiB, and a batch of them on a busy machine outlasts a fixed
+one-second limit while the tier is healthy. Writes count the bytes they carry; reads the keys they
+ask for times the largest chunk seen (:attr:`TieredStore.chunk_bytes`), so a 2 GiB prefix is not
+mistaken for a dead tier."""
 
 
 @dataclass(slots=True)
@@ -134,11 +136,18 @@ class TieredStore:
         self.tiers = list(tiers)
         self.codec = codec
         self.metrics = metrics if metrics is not None else StoreMetrics()
+        self.chunk_bytes = 0
+        """Largest encoded chunk written or read so far (or announced by :meth:`expect_chunk_bytes`)."""
         self.num_lookup_chunks = 0
         self.num_lookup_hit_chunks = 0
         self._inflight: dict[StoreKey, asyncio.Future[FoundChunk | None]] = {}
         self._closed = False
         self.metrics.attach(self.snapshots, self._lookup_totals)
+
+    def expect_chunk_bytes(self, num_bytes: int) -> None:
+        """Announce the size of the chunks this store will carry, so the first read of a process
+        that has written nothing yet gets its transfer allowance (see :data:`TRANSFER_SECONDS_PER_MIB`)."""
+        self.chunk_bytes = max(self.chunk_bytes, num_bytes)
 
     # ----------------------------------------------------------------- tier calls
 
@@ -147,7 +156,7 @@ class TieredStore:
     ) -> T | None:
         """Run one backend call under the tier's breaker and timeout; ``None`` when it failed.
 
-        A call that carries ``num_bytes`` gets :data:`WRITE_SECONDS_PER_MIB` more per MiB: the
+        A call that moves ``num_bytes`` gets :data:`TRANSFER_SECONDS_PER_MIB` more per MiB: the
         timeout tells a dead tier from a live one, not a large batch from a small one.
         """
         if not tier.breaker.allow():
@@ -155,7 +164,9 @@ class TieredStore:
             return None
         start = time.perf_counter()
         timeout = (
-            None if tier.timeout_s is None else tier.timeout_s + num_bytes / (1 << 20) * WRITE_SECONDS_PER_MIB
+            None
+            if tier.timeout_s is None
+            else tier.timeout_s + num_bytes / (1 << 20) * TRANSFER_SECONDS_PER_MIB
         )
         try:
             if timeout is None:
@@ -259,9 +270,13 @@ class TieredStore:
             if not todo:
                 continue
             batch = [keys[i] for i in todo]
-            values = await self._call(tier, "get", partial(tier.backend.get_many, batch))
+            expected = len(batch) * self.chunk_bytes
+            values = await self._call(tier, "get", partial(tier.backend.get_many, batch), num_bytes=expected)
             if values is None:
                 continue
+            self.chunk_bytes = max(
+                self.chunk_bytes, max((len(v) for v in values if v is not None), default=0)
+            )
             decoded = await self._verify(tier, batch, values)
             for i, value, chunk in zip(todo, values, decoded, strict=True):
                 if chunk is None or value is None:
@@ -348,6 +363,7 @@ class TieredStore:
         if not items:
             return
         batch = list(items)
+        self.chunk_bytes = max(self.chunk_bytes, max(len(v) for _, v in batch))
         vouched = list(vouch) if on_written is not None else []
         for tier in self.tiers:
             op = _WriteOp("put", items=batch, on_written=on_written, vouch=vouched)

@@ -1,0 +1,90 @@
+"""KV kept as tensors on the model's device: the device tier never leaves it, the store gets numpy.
+
+A GPU runner hands the engine device tensors (``DeviceKVOps``); the same path runs here on CPU
+tensors (``tensor_kv=True``), or on a GPU with ``KVMESH_TEST_DEVICE=cuda``. Real parts: the tiny
+random Llama computes KV, two in-process engines share a store directory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+
+from kvmesh.engine.app import EngineOptions, build_engine
+from kvmesh.engine.server import EngineServer
+from kvmesh.engine.torch_runner import DeviceKVOps, TorchRunner
+
+pytestmark = pytest.mark.slow
+
+DEVICE = os.environ.get("KVMESH_TEST_DEVICE", "cpu")
+PROMPT = [(i * 11) % 240 + 3 for i in range(700)]  # two full store chunks and a partial one
+
+
+@pytest.fixture
+async def engine(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+    """``await engine()`` → a started engine on tensor KV sharing ``tmp_path``'s store directory."""
+    running: list[EngineServer] = []
+
+    async def make() -> EngineServer:
+        runner = TorchRunner.load("tiny-random-llama", device=DEVICE, dtype="float32", tensor_kv=True)
+        assert runner.tokenizer is not None
+        opts = EngineOptions(model="tiny-random-llama", store=f"file://{tmp_path / 'shared'}")
+        server = await build_engine(opts, runner=runner, tokenizer=runner.tokenizer)
+        await server.start("127.0.0.1", 0)
+        running.append(server)
+        return server
+
+    yield make
+    for server in running:
+        await server.stop()
+
+
+async def complete(server: EngineServer, prompt: list[int]) -> tuple[str, int]:
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http,
+        http.post(f"{server.url}/v1/completions", json=body) as r,
+    ):
+        assert r.status == 200, await r.text()
+        out = await r.json()
+    return out["choices"][0]["text"], int(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def device_tier_arrays(server: EngineServer) -> list[Any]:
+    return [b.kv_base for b in server.core.cache._blocks.values()]
+
+
+async def test_device_tier_and_store_serve_tensor_kv(engine: Callable[..., Any]) -> None:
+    writer = await engine()
+    assert isinstance(writer.core.runner.kv_ops, DeviceKVOps)
+    cold, cached = await complete(writer, PROMPT)
+    assert cached == 0
+    arrays = device_tier_arrays(writer)
+    assert arrays and all(isinstance(a, torch.Tensor) and a.device.type == DEVICE for a in arrays)
+    hit, cached = await complete(writer, PROMPT)
+    assert cached >= 688 and hit == cold  # every full block but the last token's
+    await writer.core.wait_store_writes()
+
+    reader = await engine()
+    loaded, cached = await complete(reader, PROMPT)
+    assert cached == 512 and loaded == cold  # the store's two full chunks
+    assert all(isinstance(a, torch.Tensor) for a in device_tier_arrays(reader))
+
+
+def test_device_ops_round_trip_the_store_form() -> None:
+    ops = DeviceKVOps(torch.device(DEVICE), torch.bfloat16)
+    kv = torch.randn(2, 2, 3, 40, 8, device=DEVICE).to(torch.bfloat16)
+    host = ops.to_host(kv)
+    assert host.dtype == np.uint16 and host.shape == (2, 2, 3, 40, 8)
+    back = ops.from_host(host)
+    assert torch.equal(back, kv)
+    block = ops.copy(kv[:, :, :, 16:32])
+    assert block.is_contiguous() and block.data_ptr() != kv.data_ptr()
+    assert torch.equal(ops.concat([kv[:, :, :, :16], block, kv[:, :, :, 32:]]), kv)
