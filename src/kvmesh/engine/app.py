@@ -11,7 +11,6 @@ Used by ``kvmesh engine`` and by anything that runs engines in-process (tests, `
 from __future__ import annotations
 
 import asyncio
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +30,6 @@ from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.server import EngineServer, ServerConfig
 from kvmesh.engine.store_connector import CacheEngineStore, PrefixStore
 
-logger = logging.getLogger(__name__)
-
 
 @dataclass(slots=True)
 class EngineOptions:
@@ -43,7 +40,8 @@ class EngineOptions:
     """Cost-model preset; ``None`` runs the real model."""
     served_model_name: str | None = None
     store: str | None = None
-    """Store config path or URL (``memory``, ``redis://…``, ``file:///dir``); ``None``: no store."""
+    """Store config path or URL (``memory``, ``redis://…``, ``file:///dir``); ``None``: no store.
+    Emulated engines store placeholder KV (:mod:`kvmesh.engine.emulated_runner`)."""
     announce_shared_writes: bool = True
     """Publish a ``"SHARED"`` BlockStored when a prompt's chunks reach a shared store tier."""
     events: str | None = None
@@ -151,16 +149,20 @@ async def build_engine(opts: EngineOptions, *, runner: ModelRunner | None = None
         announce_shared_writes=opts.announce_shared_writes,
     )
     store: PrefixStore | None = None
-    if opts.store and emulated:
-        logger.warning("--store is ignored in emulation: emulated KV has no bytes to store")
-    if opts.store and not emulated:
+    if opts.store:
         from kvmesh.store.cache_engine import KVCacheEngine
 
         engine = KVCacheEngine.from_config(opts.store)
         if engine.block_size != opts.block_size:
             await engine.aclose()
             raise ValueError(f"store block_size {engine.block_size} != engine block_size {opts.block_size}")
-        engine.bind_layout(info.kv.dtype, info.kv.name())
+        # Emulated KV is a placeholder with a KV format of its own (never a real engine's keys).
+        kv_dtype, kv_layout = (
+            runner.store_kv_format()
+            if isinstance(runner, EmulatedRunner)
+            else (info.kv.dtype, info.kv.name())
+        )
+        engine.bind_layout(kv_dtype, kv_layout)
         store = CacheEngineStore(engine, namespace)
     publisher: EventPublisher = NullEventPublisher()
     events_endpoint = replay_endpoint = None
