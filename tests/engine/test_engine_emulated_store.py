@@ -175,6 +175,7 @@ async def test_real_and_emulated_engines_on_one_store_never_load_each_others_chu
         assert (await complete(emulated, OTHER))[0] == 0
         await emulated.core.wait_store_writes()
         assert (await complete(real, OTHER + SUFFIX))[0] == 0
+        await real.core.wait_store_writes()
         assert real.core.stats.cached_tokens_by_tier == {}
         assert emulated.core.stats.cached_tokens_by_tier == {}
         assert len(chunk_files(tmp_path / "shared")) == 16, "each kind wrote both prompts under its own keys"
