@@ -1,7 +1,7 @@
 """Peer routers on one fleet: kvmesh's router presets, sglang-router and vllm-router, side by side.
 
     .venv/bin/python benchmarks/router_peers.py [--quick] [--policies precise,random]
-        [--peers sglang-cache_aware,vllm-cache_aware,vllm-kv_aware] [--json out.json]
+        [--peers sglang-cache_aware,vllm-cache_aware,vllm-kv_aware] [--shared-store] [--json out.json]
 
 One fleet of 8 engines emulating Qwen3-32B TP2 on H100, started once. In front of it, one router at a
 time: ``kvmesh router`` with each preset of ``kvmesh.router.scheduler.PRESET_NAMES`` (``pd`` needs
@@ -11,6 +11,11 @@ prefill and decode engines and is left out), then sglang-router ``cache_aware`` 
 peer that is not installed is skipped with the reason. Before every run the engines' caches are
 emptied (``POST /reset_prefix_cache``; ``--restart-engines`` restarts the engines instead) and the
 router is started afresh, so no run inherits another's cache or routing state.
+
+``--shared-store`` gives the engines a shared tier (a directory in the run dir): they write every
+prompt's placeholder KV there, load prefixes other pods computed (at the preset's modelled SHARED
+load time) and announce the writes as ``SHARED`` KV events. Between runs the directory is emptied
+and the engines restart (their store's RAM tier is not emptied by the cache-reset route).
 
 Two workloads, both text through the chat API (the peers' cache-aware policies work on text; vLLM's
 asks each worker to render it into ids):
@@ -200,8 +205,10 @@ def router_choices(policies: list[str], peers: list[str]) -> list[RouterChoice]:
 
 
 async def empty_caches(fleet: Fleet, restart: bool) -> None:
-    """Stop the kvmesh router and empty every engine's cache (restart where the reset is refused)."""
+    """Stop the kvmesh router and empty every engine's cache (restart where the reset is refused)
+    and the shared tier."""
     await fleet.stop_router()
+    await fleet.reset_shared_tier()
     if restart or not await fleet.reset_engine_caches():
         await fleet.start_engines()
 
@@ -336,6 +343,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workloads", default="shared-prefix,multi-turn")
     p.add_argument("--restart-engines", action="store_true",
                    help="restart the engines between runs instead of emptying their caches in place")  # fmt: skip
+    p.add_argument("--shared-store", action="store_true",
+                   help="engines share a store directory (placeholder KV, modelled SHARED loads); implies --restart-engines")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument(
@@ -345,6 +354,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.policies = [x for x in args.policies.split(",") if x]
     args.peers = [] if args.peers == "none" else [x for x in args.peers.split(",") if x]
     args.workloads = [x for x in args.workloads.split(",") if x]
+    args.restart_engines = args.restart_engines or args.shared_store
     files = [x for x in args.policies if x not in PRESET_NAMES and Path(x).is_file()]
     for value, known, flag in ((args.policies, (*PRESET_NAMES, *files), "--policies"), (args.peers, PEER_ROUTERS, "--peers"),
                                (args.workloads, ("shared-prefix", "multi-turn"), "--workloads")):  # fmt: skip
@@ -364,17 +374,19 @@ async def run(args: argparse.Namespace, console: Console) -> tuple[list[Outcome]
     run_dir.mkdir(parents=True, exist_ok=True)
     config = {
         "engines": NUM_ENGINES, "emulate": EMULATE, "kv_capacity_tokens": capacity, "tokens_per_word": ratio,
-        "size": size_name, "seed": args.seed, "restart_engines": args.restart_engines,
+        "size": size_name, "seed": args.seed, "restart_engines": args.restart_engines, "shared_store": args.shared_store,
         "workloads": {name: desc for name, (_, desc) in workloads.items()},
     }  # fmt: skip
-    console.print(f"fleet: {NUM_ENGINES} × {EMULATE} (emulated), {capacity:,} KV tokens per pod")
+    shared = " + a shared store directory" if args.shared_store else ""
+    console.print(f"fleet: {NUM_ENGINES} × {EMULATE} (emulated), {capacity:,} KV tokens per pod{shared}")
     for name, (_, desc) in workloads.items():
         console.print(f"{name}: {desc}")
     fleet_config = FleetConfig(
         num_engines=NUM_ENGINES,
         model="smollm2",
         emulate=EMULATE,
-        shared="none",
+        shared="dir" if args.shared_store else "none",
+        emulated_store=args.shared_store,
         start_router=False,
         engine_args=["--kv-capacity-tokens", str(capacity), "--events-topic", PEER_EVENTS_TOPIC],
         router_config=str(run_dir / "router.yaml"),

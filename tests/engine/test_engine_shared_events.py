@@ -174,3 +174,27 @@ async def test_no_shared_tier_or_switched_off_announces_nothing(
     assert {e.medium for e in stream.events if isinstance(e, BlockStored)} == {"GPU"}
     if case == "switched_off":
         assert any((tmp_path / "shared").rglob("*")), "the shared tier was written, just not announced"
+
+
+@pytest.mark.parametrize("announce", [True, False])
+async def test_an_emulated_engine_announces_its_shared_writes_as_a_real_one(
+    announce: bool, start: Callable[..., Any], tmp_path: Path, eventually: Callable[..., Any]
+) -> None:
+    shared_dir = tmp_path / "shared"
+    server, stream = await start(
+        f"file://{shared_dir}", emulate="qwen3-32b-h100-tp2", announce_shared_writes=announce
+    )
+    await complete(server, PROMPT)
+    await settle(server, stream, eventually)
+    assert server.core.stats.num_store_writes == 1
+    assert len(list(shared_dir.rglob("*.kvc"))) == 2, "placeholder chunks in the shared tier"
+    if not announce:
+        assert stream.stored("GPU") and stream.stored("SHARED") == []
+        return
+    (shared,) = stream.stored("SHARED")
+    keys = server.core.cache.block_keys(PROMPT)
+    assert shared.block_hashes == [engine_block_hash(k) for k in keys[: 2 * CHUNK // 16]]
+    assert shared.block_hashes == gpu_hashes(stream)[:32]
+    assert shared.parent_block_hash is None
+    assert shared.token_ids == PROMPT[: 2 * CHUNK]
+    assert stream.events.index(shared) > stream.events.index(stream.stored("GPU")[0])

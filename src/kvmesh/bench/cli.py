@@ -70,6 +70,11 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="engine --model")
     p.add_argument("--emulate", default=None, help="engine --emulate PRESET (default: the workload preset's)")
     p.add_argument("--shared", choices=["dir", "redis", "valkey", "none"], default="dir")
+    p.add_argument(
+        "--emulated-store",
+        action="store_true",
+        help="emulated engines use the shared tier too (placeholder KV, modelled load times)",
+    )
     p.add_argument("--engine-arg", action="append", default=[], help="extra engine flags (quoted)")
     p.add_argument("--router-arg", action="append", default=[], help="extra router flags (quoted)")
     p.add_argument("--router-config", default=None, help="router YAML (replaces --policy)")
@@ -117,6 +122,7 @@ def _fleet_config(args: argparse.Namespace, scaled: Any, policy: str) -> Any:
         engine_args=engine_args,
         router_args=split_args(args.router_arg),
         run_dir=args.run_dir,
+        emulated_store=args.emulated_store,
     )
 
 

@@ -53,9 +53,9 @@ SCENARIOS = (
     "soak",
 )
 MODEL = "tiny-random-llama"
-"""A small random-weight Llama run for real on the CPU: unlike emulated engines (which hold no KV
-bytes and ignore ``--store``), these save and load KV through the shared tier, so its faults land
-on the request path."""
+"""A small random-weight Llama run for real on the CPU: these save and load real KV through the
+shared tier, so its faults land on the request path and in the output (emulated engines store
+placeholder KV, and a fleet gives them its shared tier only with ``emulated_store``)."""
 
 
 @dataclass(slots=True)

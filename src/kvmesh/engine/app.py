@@ -11,7 +11,6 @@ Used by ``kvmesh engine`` and by anything that runs engines in-process (tests, `
 from __future__ import annotations
 
 import asyncio
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,13 +24,11 @@ from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
 from kvmesh.core.tenancy import Role
 from kvmesh.core.tokens import Tokenizer
 from kvmesh.engine.core import EngineCore, SchedulerConfig
-from kvmesh.engine.emulated_runner import EmulatedRunner
+from kvmesh.engine.emulated_runner import PLACEHOLDER_KV, EmulatedRunner
 from kvmesh.engine.prefix_cache import PrefixCache
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.server import EngineServer, ServerConfig
 from kvmesh.engine.store_connector import CacheEngineStore, PrefixStore
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -43,7 +40,8 @@ class EngineOptions:
     """Cost-model preset; ``None`` runs the real model."""
     served_model_name: str | None = None
     store: str | None = None
-    """Store config path or URL (``memory``, ``redis://…``, ``file:///dir``); ``None``: no store."""
+    """Store config path or URL (``memory``, ``redis://…``, ``file:///dir``); ``None``: no store.
+    Emulated engines store placeholder KV (:mod:`kvmesh.engine.emulated_runner`)."""
     announce_shared_writes: bool = True
     """Publish a ``"SHARED"`` BlockStored when a prompt's chunks reach a shared store tier."""
     events: str | None = None
@@ -151,17 +149,22 @@ async def build_engine(opts: EngineOptions, *, runner: ModelRunner | None = None
         announce_shared_writes=opts.announce_shared_writes,
     )
     store: PrefixStore | None = None
-    if opts.store and emulated:
-        logger.warning("--store is ignored in emulation: emulated KV has no bytes to store")
-    if opts.store and not emulated:
+    if opts.store:
         from kvmesh.store.cache_engine import KVCacheEngine
 
         engine = KVCacheEngine.from_config(opts.store)
         if engine.block_size != opts.block_size:
             await engine.aclose()
             raise ValueError(f"store block_size {engine.block_size} != engine block_size {opts.block_size}")
-        engine.bind_layout(info.kv.dtype, info.kv.name())
-        engine.tiered.expect_chunk_bytes(engine.chunk_size * info.kv.bytes_per_token)
+        # Emulated KV is a placeholder with a KV format of its own (never a real engine's keys).
+        if isinstance(runner, EmulatedRunner):
+            kv_dtype, kv_layout = runner.store_kv_format()
+            bytes_per_token = PLACEHOLDER_KV.bytes_per_token
+        else:
+            kv_dtype, kv_layout = info.kv.dtype, info.kv.name()
+            bytes_per_token = info.kv.bytes_per_token
+        engine.bind_layout(kv_dtype, kv_layout)
+        engine.tiered.expect_chunk_bytes(engine.chunk_size * bytes_per_token)
         store = CacheEngineStore(engine, namespace)
     publisher: EventPublisher = NullEventPublisher()
     events_endpoint = replay_endpoint = None

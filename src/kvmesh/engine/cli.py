@@ -22,7 +22,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument(
-        "--store", metavar="CONFIG_OR_URL", help="store config YAML or URL (memory, redis://, file:///dir)"
+        "--store",
+        metavar="CONFIG_OR_URL",
+        help="store config YAML or URL (memory, redis://, file:///dir); emulated engines store placeholder KV",
     )
     p.add_argument(
         "--announce-shared-writes",

@@ -4,6 +4,17 @@ Sleeps are scheduled against a running deadline (``busy_until``), so the event l
 does not accumulate: a prefill split into many chunks finishes when the sum of its step times says,
 not later. Sampled tokens are a deterministic function of (request id, position) that never hits EOS,
 so emulated requests run to ``max_tokens``.
+
+Emulated KV has no values, only a size. What the runner exports (to the store) is a placeholder of
+one float16 element per (K/V, token)::
+
+    placeholder[0, k_or_v, 0, token, 0] = 0      shape (1, 2, 1, T, 1): 4 bytes per token
+
+so a store holds real chunk objects (keyed, checksummed, tiered, announced) at a few bytes per
+token instead of the model's full size (256 KiB per token for Qwen3-32B). Their KV format
+(:meth:`EmulatedRunner.store_kv_format`) names the placeholder and the modelled layout, so they never
+share store keys with a real engine's chunks. What a load from the store costs is modelled from
+the full size: :meth:`CostModel.kv_load_time` over the tier the prefix came from.
 """
 
 from __future__ import annotations
@@ -16,7 +27,19 @@ import numpy as np
 import xxhash
 
 from kvmesh.engine.cost_model import CostModel, CostPreset, get_preset
-from kvmesh.engine.runner import NUMPY_KV, KVOps, ModelRunner, RunnerInfo, Sequence, StepOutput, StepPlan
+from kvmesh.engine.runner import (
+    NUMPY_KV,
+    KVLayout,
+    KVOps,
+    ModelRunner,
+    RunnerInfo,
+    Sequence,
+    StepOutput,
+    StepPlan,
+)
+
+PLACEHOLDER_KV = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float16")
+"""The shape of exported emulated KV: (1, 2, 1, T, 1) float16 zeros."""
 
 
 class EmulatedRunner:
@@ -97,9 +120,32 @@ class EmulatedRunner:
             token = (token + 1) % self.info.vocab_size
         return token
 
+    def store_kv_format(self) -> tuple[str, str]:
+        """``(kv_dtype, kv_layout)`` of exported KV, as store namespaces carry it.
+
+        The layout names the placeholder and the modelled model's layout (``emulated-L64xH8xD128``
+        for Qwen3-32B): no real engine's layout looks like it, so a real engine never loads a
+        placeholder chunk as KV, nor an emulated engine a real one.
+        """
+        return PLACEHOLDER_KV.dtype, f"emulated-{self.info.kv.name()}"
+
     def export_kv(self, seq: Sequence, start: int, end: int) -> np.ndarray | None:
-        """No KV exists in emulation."""
-        return None
+        """Placeholder KV of ``seq.token_ids[start:end]``: zeros shaped (1, 2, 1, end-start, 1).
+
+        Returns:
+            ``None`` when the sequence has computed nothing yet (as a real runner without state).
+
+        Raises:
+            ValueError: the range is empty or reaches past the computed tokens.
+        """
+        computed = seq.num_computed_tokens
+        if computed == 0:
+            return None
+        if not 0 <= start < end <= computed:
+            raise ValueError(f"export_kv range [{start}, {end}) outside the {computed} computed tokens")
+        layout = PLACEHOLDER_KV
+        shape = (layout.num_layers, 2, layout.num_kv_heads, end - start, layout.head_dim)
+        return np.zeros(shape, dtype=layout.dtype)
 
     def free(self, seq: Sequence) -> None:
         seq.runner_state = None

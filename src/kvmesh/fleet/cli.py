@@ -33,6 +33,11 @@ def register(subparsers: Any) -> None:
         default="dir",
         help="shared tier: a directory under the run dir (default), a redis-server or valkey-server, or none",
     )
+    up.add_argument(
+        "--emulated-store",
+        action="store_true",
+        help="emulated engines use the shared tier too (placeholder KV, modelled load times)",
+    )
     up.add_argument("--policy", default="precise", help="router --policy (default precise)")
     up.add_argument("--router-config", default=None, help="router YAML (replaces --policy)")
     up.add_argument("--port", type=int, default=8000, help="router port (default 8000; 0 = any free port)")
@@ -85,6 +90,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         run_dir=args.run_dir,
         health_timeout_s=args.health_timeout,
         engine=args.engine,
+        emulated_store=args.emulated_store,
     )
 
     async def main() -> int:

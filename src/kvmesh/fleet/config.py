@@ -38,6 +38,9 @@ class FleetConfig:
         events: give every engine a ZMQ KV-event endpoint (``--events``).
         engine: ``kvmesh`` (the reference engine) or ``vllm`` (real vLLM servers; ``engine_args``
             are then vLLM flags, e.g. ``--num-gpu-blocks-override 16``).
+        emulated_store: emulated engines use the shared tier too (``--store``: placeholder chunks,
+            load times from the cost model). Off by default, so an emulated fleet measures only its
+            device-tier caches, as it always has; real engines always use the shared tier.
     """
 
     num_engines: int = 2
@@ -56,6 +59,7 @@ class FleetConfig:
     stop_grace_s: float = 10.0
     env: dict[str, str] = field(default_factory=dict)
     engine: EngineKind = "kvmesh"
+    emulated_store: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ("kvmesh", "vllm"):
@@ -66,6 +70,8 @@ class FleetConfig:
             raise ValueError(f"num_engines must be > 0, got {self.num_engines}")
         if self.shared not in ("dir", "redis", "valkey", "none"):
             raise ValueError(f"shared must be dir, redis, valkey or none, got {self.shared!r}")
+        if self.emulated_store and self.shared == "none":
+            raise ValueError("emulated_store needs a shared tier: shared='dir', 'redis' or 'valkey'")
 
 
 @dataclass(slots=True)

@@ -225,7 +225,7 @@ class Fleet:
             argv += ["--emulate", cfg.emulate]
         if events_port is not None:
             argv += ["--events", f"tcp://{HOST}:{events_port}"]
-        if self.store_url is not None:
+        if self.store_url is not None and (not cfg.emulate or cfg.emulated_store):
             argv += ["--store", self.store_url]
         return argv + list(cfg.engine_args)
 
