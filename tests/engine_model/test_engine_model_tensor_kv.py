@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvmesh.core.torch_kv import host_tensor
 from kvmesh.engine.app import EngineOptions, build_engine
 from kvmesh.engine.server import EngineServer
 from kvmesh.engine.torch_runner import DeviceKVOps, TorchRunner
@@ -88,3 +89,22 @@ def test_device_ops_round_trip_the_store_form() -> None:
     block = ops.copy(kv[:, :, :, 16:32])
     assert block.is_contiguous() and block.data_ptr() != kv.data_ptr()
     assert torch.equal(ops.concat([kv[:, :, :, :16], block, kv[:, :, :, 32:]]), kv)
+
+
+def test_device_ops_join_read_only_chunks_without_copying_them_on_the_host() -> None:
+    ops = DeviceKVOps(torch.device(DEVICE), torch.bfloat16)
+    kv = torch.randn(2, 2, 3, 48, 8).to(torch.bfloat16)
+    host = ops.to_host(kv)
+    parts = []
+    for start in range(0, 48, 16):
+        data = host[:, :, :, start : start + 16].tobytes()  # what a tier returns
+        part = np.frombuffer(data, dtype=np.uint16).reshape(2, 2, 3, 16, 8)
+        assert not part.flags.writeable
+        wrapped = host_tensor(part, torch.bfloat16)
+        assert wrapped.data_ptr() == part.ctypes.data  # wrapped where it lies, not copied
+        parts.append(part)
+    joined = ops.join_host(parts)
+    assert joined.device.type == DEVICE and joined.dtype == torch.bfloat16
+    assert torch.equal(joined.cpu(), kv)
+    with pytest.raises(ValueError, match="float16"):
+        ops.join_host([np.zeros((2, 2, 3, 16, 8), np.float16)])

@@ -8,6 +8,8 @@ a bfloat16 model's KV is stored at 2 bytes per element and reads back unchanged.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -58,3 +60,25 @@ def from_store_array(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     if array.dtype.name != name:
         raise ValueError(f"store array is {array.dtype}, the cache is {name}")
     return torch.from_numpy(array)
+
+
+def host_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of ``dtype`` over ``array``'s memory, also when the array is read-only.
+
+    Store chunks are read-only views of the bytes a tier returned; :func:`from_store_array` would
+    copy them first. A contiguous read-only array is wrapped as it is instead (the tensor must not
+    be written to); anything else goes through :func:`from_store_array`.
+
+    Raises:
+        ValueError: the array's dtype cannot hold ``dtype``'s values bit for bit.
+    """
+    if array.flags.writeable or not array.flags.c_contiguous:
+        return from_store_array(array, dtype)
+    carried = np.uint16 if dtype == torch.bfloat16 else np.dtype(store_dtype_name(dtype))
+    if array.dtype != carried:
+        raise ValueError(f"store array is {array.dtype}, the cache is {store_dtype_name(dtype)}")
+    raw_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The given buffer is not writable"
+        flat = torch.frombuffer(array.data.cast("B"), dtype=raw_dtype)
+    return flat.view(dtype).view(array.shape)

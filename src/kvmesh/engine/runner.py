@@ -47,6 +47,10 @@ class KVOps(Protocol):
         """A store array in the runner's form. Blocks while a device copies."""
         ...
 
+    def join_host(self, parts: Seq[np.ndarray]) -> KVArray:
+        """Store arrays (chunks in token order) joined on the token axis, in the runner's form."""
+        ...
+
 
 class NumpyKVOps:
     """KV as numpy arrays in host memory (CPU runners, emulation, tests)."""
@@ -62,6 +66,9 @@ class NumpyKVOps:
 
     def from_host(self, array: np.ndarray) -> KVArray:
         return array
+
+    def join_host(self, parts: Seq[np.ndarray]) -> KVArray:
+        return np.concatenate(parts, axis=3)
 
 
 NUMPY_KV = NumpyKVOps()

@@ -20,12 +20,17 @@ from kvmesh.core.types import Medium
 
 @dataclass(frozen=True, slots=True)
 class LoadedPrefix:
-    """KV of a stored prefix: ``kv`` is (L, 2, H, num_tokens, D) (numpy from the store; the engine
-    moves it into the runner's form before admission); ``tier`` names where it came from."""
+    """KV of a stored prefix, (L, 2, H, num_tokens, D); ``tier`` names where it came from.
+
+    From the store it arrives as ``parts`` (the chunks, numpy, in token order) with ``kv`` ``None``;
+    the engine joins them in the runner's form (:meth:`~kvmesh.engine.runner.KVOps.join_host`: on
+    a GPU straight into device memory) before admission. A store may also hand over ``kv`` joined.
+    """
 
     num_tokens: int
     kv: Any
     tier: str
+    parts: tuple[np.ndarray, ...] = ()
 
 
 StoreWritten: TypeAlias = Callable[[Medium, int], None]
@@ -118,10 +123,10 @@ class CacheEngineStore:
         return int(await self._engine.lookup(tokens, self._ns(tenant)))
 
     async def retrieve(self, tokens: list[int], tenant: str) -> LoadedPrefix | None:
-        result = await self._engine.retrieve(tokens, self._ns(tenant))
-        if result is None or result.num_tokens <= 0 or result.kv is None:
+        result = await self._engine.retrieve(tokens, self._ns(tenant), join=False)
+        if result is None or result.num_tokens <= 0 or not result.parts:
             return None
-        return LoadedPrefix(int(result.num_tokens), result.kv, Medium.parse(result.tier).value)
+        return LoadedPrefix(int(result.num_tokens), None, Medium.parse(result.tier).value, result.parts)
 
     async def store(
         self,

@@ -97,10 +97,17 @@ class StoreSync:
             return
         num_tokens = min(loaded.num_tokens, limit_tokens)
         num_tokens -= num_tokens % bs
-        kv = loaded.kv[:, :, :, :num_tokens] if loaded.kv.shape[3] != num_tokens else loaded.kv
-        if self.runner.kv_ops is not NUMPY_KV:
-            # Into device memory off the event loop: gigabytes for a long prompt of a large model.
-            kv = await asyncio.to_thread(self.runner.kv_ops.from_host, kv)
+        ops = self.runner.kv_ops
+        # Joined (on a GPU: straight into device memory) off the event loop: gigabytes for a long
+        # prompt of a large model.
+        if loaded.kv is None:
+            kv = await asyncio.to_thread(ops.join_host, loaded.parts)
+        elif ops is not NUMPY_KV:
+            kv = await asyncio.to_thread(ops.from_host, loaded.kv)
+        else:
+            kv = loaded.kv
+        if kv.shape[3] != num_tokens:
+            kv = kv[:, :, :, :num_tokens]
         req.loaded = LoadedPrefix(num_tokens, kv, loaded.tier)
 
     # ---------------------------------------------------------------- writes

@@ -47,11 +47,15 @@ class RetrieveResult:
 
     ``kv`` is a fresh writable array shaped (L, 2, H, num_tokens, D), ``None`` when nothing was
     found; ``tier`` is the slowest tier that served part of it ("cpu", "disk", "redis", "fs").
+    A retrieve with ``join=False`` leaves ``kv`` ``None`` and returns the chunks in ``parts`` instead
+    (read-only views of what the tiers returned, in token order), for a caller that moves them
+    somewhere else anyway (a GPU) and would only pay for the host-side join.
     """
 
     num_tokens: int
     kv: np.ndarray | None
     tier: str | None
+    parts: tuple[np.ndarray, ...] = ()
 
     @classmethod
     def miss(cls) -> RetrieveResult:
@@ -131,7 +135,7 @@ class KVCacheEngine:
         return await self.tiered.count_prefix(keys) * self.chunk_size
 
     async def retrieve(
-        self, tokens: Sequence[int], namespace: Namespace, max_tokens: int | None = None
+        self, tokens: Sequence[int], namespace: Namespace, max_tokens: int | None = None, *, join: bool = True
     ) -> RetrieveResult:
         """Load the KV of the longest stored prefix of ``tokens``.
 
@@ -139,6 +143,7 @@ class KVCacheEngine:
             tokens: the prompt.
             namespace: model, revision, LoRA, tenant (KV format from :meth:`bind_layout` if unset).
             max_tokens: load at most this many tokens (rounded down to whole chunks).
+            join: concatenate the chunks into ``kv``; ``False`` returns them as ``parts``.
 
         Returns:
             The prefix KV; a miss (0 tokens) when nothing usable was found.
@@ -152,13 +157,15 @@ class KVCacheEngine:
         if not chunks:
             return RetrieveResult.miss()
         arrays = [c.chunk.kv for c in chunks]
+        order = {t.name: n for n, t in enumerate(self.tiered.tiers)}
+        slowest = max((c.tier for c in chunks), key=lambda name: order.get(name, 0))
+        if not join:
+            return RetrieveResult(sum(a.shape[3] for a in arrays), None, slowest, tuple(arrays))
         total = sum(a.nbytes for a in arrays)
         if total > _ENCODE_IN_THREAD_BYTES:
             kv = await asyncio.to_thread(np.concatenate, arrays, 3)
         else:
             kv = np.concatenate(arrays, axis=3)
-        order = {t.name: n for n, t in enumerate(self.tiered.tiers)}
-        slowest = max((c.tier for c in chunks), key=lambda name: order.get(name, 0))
         return RetrieveResult(kv.shape[3], kv, slowest)
 
     def _consistent_prefix(self, found: list[FoundChunk]) -> list[FoundChunk]:

@@ -76,8 +76,10 @@ class StoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     breaker_failures: int = 3
     breaker_backoff_s: float = 0.5
     breaker_max_backoff_s: float = 30.0
-    write_queue_mb: float = 256.0
-    """Per-tier cap of encoded bytes waiting to be written (MB = 2^20 bytes)."""
+    write_queue_mb: float = 2048.0
+    """Per-tier cap of encoded bytes waiting to be written (MB = 2^20 bytes). Beyond it a write is
+    dropped (its chunks are recomputed where needed). One 16k-token prompt of an 8B model in
+    bfloat16 is 2 GiB of KV, so the default holds one; a smaller cap drops the tail of long prompts."""
     redis_key_prefix: str = "kvmesh"
     redis_ttl_s: float | None = None
     redis_max_connections: int = 32
