@@ -318,9 +318,31 @@ async def test_reset_prefix_cache(make_engine, http) -> None:
     await post(http, f"{eng.url}/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
     assert eng.core.cache.num_cached_blocks > 0
     status, body = await post(http, f"{eng.url}/reset_prefix_cache", {})
-    assert status == 200 and body == {"reset": True}
+    assert status == 200 and body == {"reset": True, "store_chunks_removed": 0}
     assert eng.core.cache.num_cached_blocks == 0
     async with http.get(f"{eng.url}/reset_prefix_cache") as r:
         assert r.status == 405
     async with http.post(f"{eng.url}/kvmesh/info") as r:
         assert r.status == 405
+
+
+async def test_reset_prefix_cache_empties_the_engines_own_store_tiers_not_the_shared_one(
+    make_engine, http, tmp_path
+) -> None:
+    """A reset starts the engine cold: its RAM tier is emptied too (else the next benchmark run
+    hits what the last one left); the shared directory is the fleet's and keeps its chunks."""
+    prompt = [(i * 7) % 200 + 3 for i in range(600)]
+    body = {"prompt": prompt, "max_tokens": 1}
+    private = await make_engine(store="memory")
+    shared = await make_engine(store=f"file://{tmp_path / 'shared'}")
+    for eng in (private, shared):
+        status, _ = await post(http, f"{eng.url}/v1/completions", body)
+        assert status == 200
+        await eng.core.wait_store_writes()
+        status, reply = await post(http, f"{eng.url}/reset_prefix_cache", {})
+        assert status == 200 and reply["reset"] is True and reply["store_chunks_removed"] == 2
+    _, again = await post(http, f"{private.url}/v1/completions", body)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    _, again = await post(http, f"{shared.url}/v1/completions", body)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 512
+    assert shared.core.stats.cached_tokens_by_tier == {"SHARED": 512}

@@ -1,7 +1,8 @@
 """Runs of one workload against one fleet, once per router policy, caches emptied between runs.
 
-Between two policies every engine's device-tier cache is emptied (``POST /reset_prefix_cache``, or a
-restart of the engines where that route is missing), the shared tier is emptied, and the router is
+Between two policies every engine's device-tier cache is emptied (``POST /reset_prefix_cache``, which
+on kvmesh engines empties their private store tiers too, or a restart of the engines where that route
+is missing), the shared tier is emptied, and the router is
 started afresh with the next policy, so no run inherits another's cache state or routing history.
 Where engines have no reset route and restarting them costs more than the runs (emulated fleets),
 each run instead shifts its token ids (see :func:`compare_policies`).

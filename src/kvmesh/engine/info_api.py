@@ -105,11 +105,15 @@ class InfoApi:
         return _ok(self.info_dict())
 
     async def reset_prefix_cache(self, request: web.Request) -> web.StreamResponse:
-        """Drop the device-tier cache (publishes AllBlocksCleared); 409 while requests hold blocks."""
-        if not self.server.core.cache.reset():
+        """Drop the device-tier cache (publishes AllBlocksCleared) and the store tiers only this
+        engine reads (RAM, local disk), so it starts cold; a shared tier is the fleet's to empty.
+        409 while requests hold blocks."""
+        core = self.server.core
+        if not core.cache.reset():
             raise RequestError("the prefix cache is in use by running requests", status=409)
-        self.server.core.publish_events()
-        return _ok({"reset": True})
+        core.publish_events()
+        removed = await core.store.reset_local()
+        return _ok({"reset": True, "store_chunks_removed": removed})
 
     async def version(self, request: web.Request) -> web.StreamResponse:
         from kvmesh import __version__

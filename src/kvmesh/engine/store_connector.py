@@ -70,6 +70,10 @@ class PrefixStore(Protocol):
         """Wait until queued writes reached every tier (P/D: the decode side must find them)."""
         ...
 
+    async def reset_local(self) -> int:
+        """Empty the tiers only this engine reads (RAM, local disk); returns chunks removed."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -96,6 +100,9 @@ class NullPrefixStore:
 
     async def drain(self) -> None:
         return None
+
+    async def reset_local(self) -> int:
+        return 0
 
     async def aclose(self) -> None:
         return None
@@ -141,6 +148,9 @@ class CacheEngineStore:
 
     async def drain(self) -> None:
         await self._engine.drain()
+
+    async def reset_local(self) -> int:
+        return int(await self._engine.flush(None, local_only=True))
 
     async def aclose(self) -> None:
         close = getattr(self._engine, "aclose", None)

@@ -26,7 +26,7 @@ import numpy as np
 from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
 from kvmesh.store.codec import kv_dtype_name
 from kvmesh.store.config import StoreConfig, resolve_config
-from kvmesh.store.factory import build_store
+from kvmesh.store.factory import LOCAL_TIERS, build_store
 from kvmesh.store.keys import StoreKey, namespace_group
 from kvmesh.store.metrics import StoreMetrics
 from kvmesh.store.tiered import FoundChunk, TieredStore, TierWritten
@@ -269,11 +269,16 @@ class KVCacheEngine:
 
         return report
 
-    async def flush(self, namespace: Namespace | None = None) -> int:
+    async def flush(self, namespace: Namespace | None = None, *, local_only: bool = False) -> int:
         """Delete every chunk of ``namespace``'s model, revision and LoRA (all tenants and KV
-        formats), or every chunk when ``None``; returns chunks removed over reachable tiers."""
+        formats), or every chunk when ``None``; returns chunks removed over reachable tiers.
+
+        ``local_only`` empties only this process's own tiers (RAM and local disk), leaving the
+        tiers other engines share untouched.
+        """
         group = None if namespace is None else namespace_group(namespace)
-        removed = await self.tiered.flush(group)
+        local = [t.name for t in self.tiered.tiers if t.name in LOCAL_TIERS] if local_only else None
+        removed = await self.tiered.flush(group, local)
         return sum(n for n in removed.values() if n is not None)
 
     async def drain(self) -> None:

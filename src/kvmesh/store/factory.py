@@ -16,6 +16,9 @@ from kvmesh.store.config import GB, StoreConfig
 from kvmesh.store.metrics import StoreMetrics
 from kvmesh.store.tiered import Tier, TieredStore
 
+LOCAL_TIERS = frozenset({"cpu", "disk"})
+"""Tiers private to one process (its RAM and local disk); the others are shared by the fleet."""
+
 
 def _breaker(config: StoreConfig) -> CircuitBreaker:
     return CircuitBreaker(

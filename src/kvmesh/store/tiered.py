@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeAlias, TypeVar
@@ -450,8 +450,11 @@ class TieredStore:
             else:
                 await self._write(tier, op)
 
-    async def flush(self, group: str | None = None) -> dict[str, int | None]:
-        """Delete every chunk of ``group`` (all chunks when ``None``) from every tier.
+    async def flush(
+        self, group: str | None = None, tiers: Collection[str] | None = None
+    ) -> dict[str, int | None]:
+        """Delete every chunk of ``group`` (all chunks when ``None``) from every tier, or from the
+        tiers named in ``tiers``.
 
         Queued writes are drained first so none lands after the flush.
 
@@ -461,7 +464,8 @@ class TieredStore:
         await self.drain()
         out: dict[str, int | None] = {}
         for tier in self.tiers:
-            out[tier.name] = await self._call(tier, "flush", partial(tier.backend.flush, group))
+            if tiers is None or tier.name in tiers:
+                out[tier.name] = await self._call(tier, "flush", partial(tier.backend.flush, group))
         return out
 
     def snapshots(self) -> list[TierSnapshot]:
