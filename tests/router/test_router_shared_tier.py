@@ -105,12 +105,16 @@ def test_scorers_credit_the_shared_tier_to_every_endpoint():
     assert ttft.estimate(request, b) == pytest.approx(64 * 1e6 / 1e9 + 0.064)
     busy = EndpointState(A, pending_prefill_tokens=1000)
     assert ttft.score(request, [busy, b])[1] == 1.0  # a queue on the holder sends it where it loads
-    # the routing history scores only what neither a cache nor the shared tier holds
+    # the routing history scores what no endpoint's own cache holds; the shared tier does not
+    # count (every endpoint could load it, at a price): the prefix goes back where it went before
     history = ApproximatePrefixScorer(block_size=16, capacity=100, beyond_cache=True)
     shared_only = RoutingRequest("s", TOKENS, Namespace(MODEL))
     shared_only.prefix = PrefixMatch(8, 16, shared=request.prefix.shared)
+    assert shared_only.prefix.longest_blocks() == 4 and shared_only.prefix.longest_own_blocks() == 0
     history.observe(RoutingRequest("h", TOKENS, Namespace(MODEL), prefix=PrefixMatch(8, 16)), B)
-    assert history.score(shared_only, [a, b]) == [0.0, pytest.approx(4 / 8)]
+    assert history.score(shared_only, [a, b]) == [0.0, 1.0]
+    assert request.prefix.longest_own_blocks() == 8
+    assert history.score(request, [a, b]) == [0.0, 0.0]  # A's own cache holds it whole
 
 
 def test_kv_cache_groups_are_each_publisher_own_in_a_mixed_fleet():

@@ -98,6 +98,14 @@ class PrefixMatch:
             longest = max(longest, match.num_blocks)
         return longest
 
+    def longest_own_blocks(self) -> int:
+        """The longest prefix any pod holds in its own tiers (not counting what it would load from
+        the shared tier), in blocks."""
+        longest = 0
+        for match in self.pods.values():
+            longest = max(longest, match.num_blocks - match.blocks_by_tier.get(Medium.SHARED, 0))
+        return longest
+
 
 @dataclass(slots=True)
 class RoutingRequest:

@@ -79,13 +79,14 @@ class ApproximatePrefixScorer:
     Every routed prompt's blocks (of ``block_size`` tokens, its own granularity) are remembered
     for the chosen endpoint in an LRU of ``capacity`` blocks.
 
-    With ``beyond_cache`` it scores only the part of the remembered prefix that no endpoint's cache
-    (nor the shared tier) holds now (``request.prefix``, from the event-fed index): where every cache
-    has lost a prefix,
-    it goes back to the endpoint it was sent to before, so prefixes that outgrow the fleet's KV stay
-    partitioned over the endpoints instead of landing wherever is idlest and evicting others; where
-    a cache still holds it, the precise scorer alone decides. A prompt some cache holds whole is then
-    neither hashed nor recorded (the index knows where it is).
+    With ``beyond_cache`` it scores only the part of the remembered prefix that no endpoint's own
+    cache holds now (``request.prefix``, from the event-fed index): where every cache has lost a
+    prefix, it goes back to the endpoint it was sent to before, so prefixes that outgrow the fleet's
+    KV stay partitioned over the endpoints instead of landing wherever is idlest and evicting
+    others; where a cache still holds it, the precise scorer alone decides. A prompt some cache
+    holds whole is then neither hashed nor recorded (the index knows where it is). The shared tier
+    does not count as a cache here: every endpoint could load from it, but each load costs a
+    transfer and evicts something, so a prefix it holds still goes back where it went before.
     """
 
     scores_in_unit_range: ClassVar[bool] = True
@@ -108,7 +109,7 @@ class ApproximatePrefixScorer:
             return self._cached[1]
         cached = 0.0
         if self.beyond_cache and prefix is not None:
-            cached = prefix.longest_blocks() * prefix.block_size / self.block_size
+            cached = prefix.longest_own_blocks() * prefix.block_size / self.block_size
         self._cached = (prefix, cached)
         return cached
 
