@@ -12,8 +12,8 @@ shape=${SHAPE:-llama-3.1-8b}
 lengths=${LENGTHS:-2048,8192,16384}
 trials=${TRIALS:-3}
 python=${PYTHON:-python3}
-# The store's write queue (default 256 MiB) holds one 2k-token prompt of an 8B model: make room for
-# the longest prompt's KV so no write-back is dropped.
+# Room in the store's write queue for several of the longest prompts' KV (a 16k-token prompt of an
+# 8B model is 2 GiB), so no write-back is dropped while an earlier one is still being written.
 export KVMESH_WRITE_QUEUE_MB=${KVMESH_WRITE_QUEUE_MB:-8192}
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 work=$(mktemp -d)

@@ -15,7 +15,8 @@ router is started afresh, so no run inherits another's cache or routing state.
 ``--shared-store`` gives the engines a shared tier (a directory in the run dir): they write every
 prompt's placeholder KV there, load prefixes other pods computed (at the preset's modelled SHARED
 load time) and announce the writes as ``SHARED`` KV events. Between runs the directory is emptied
-and the engines restart (their store's RAM tier is not emptied by the cache-reset route).
+and the engines restart (a fresh process for each run, though the cache-reset route now empties
+their own RAM tier as well).
 
 Two workloads, both text through the chat API (the peers' cache-aware policies work on text; vLLM's
 asks each worker to render it into ids):

@@ -346,3 +346,23 @@ async def test_reset_prefix_cache_empties_the_engines_own_store_tiers_not_the_sh
     _, again = await post(http, f"{shared.url}/v1/completions", body)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 512
     assert shared.core.stats.cached_tokens_by_tier == {"SHARED": 512}
+
+
+async def test_reset_prefix_cache_waits_for_a_write_still_on_its_way(make_engine, http) -> None:
+    """A prompt's write still being copied or encoded when the reset comes would land after it."""
+    prompt = [(i * 7) % 200 + 3 for i in range(600)]
+    eng = await make_engine(store="memory")
+    store = eng.core.store_sync.store
+    real_store = store.store
+
+    async def slow_store(*args, **kwargs):
+        await asyncio.sleep(0.3)
+        await real_store(*args, **kwargs)
+
+    store.store = slow_store
+    status, _ = await post(http, f"{eng.url}/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    assert status == 200
+    status, reply = await post(http, f"{eng.url}/reset_prefix_cache", {})
+    assert status == 200 and reply["store_chunks_removed"] == 2
+    _, again = await post(http, f"{eng.url}/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -108,3 +108,41 @@ def test_device_ops_join_read_only_chunks_without_copying_them_on_the_host() -> 
     assert torch.equal(joined.cpu(), kv)
     with pytest.raises(ValueError, match="float16"):
         ops.join_host([np.zeros((2, 2, 3, 16, 8), np.float16)])
+
+
+async def test_kv_the_runner_cannot_hand_over_is_not_cached_and_nothing_fails(
+    engine: Callable[..., Any],
+) -> None:
+    """Out of device memory for a copy: blocks go uncached and the prompt unwritten, the requests
+    succeed and the engine keeps serving."""
+    server = await engine()
+    runner = server.core.runner
+
+    def no_memory(*args: Any) -> Any:
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    runner.export_kv = no_memory
+    text, cached = await complete(server, PROMPT)
+    assert cached == 0 and text
+    await server.core.wait_store_writes()
+    stats = server.core.stats
+    assert stats.num_kv_export_failures >= 1 and stats.num_store_write_failures == 1
+    assert server.core.cache.num_cached_blocks == 0
+    del runner.export_kv  # the class's method again
+    again, cached = await complete(server, PROMPT)
+    assert again == text and cached == 0
+
+
+async def test_a_load_that_cannot_reach_the_device_is_recomputed(engine: Callable[..., Any]) -> None:
+    writer = await engine()
+    cold, _ = await complete(writer, PROMPT)
+    await writer.core.wait_store_writes()
+    reader = await engine()
+
+    def no_memory(parts: Any) -> Any:
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    reader.core.runner.kv_ops.join_host = no_memory
+    text, cached = await complete(reader, PROMPT)
+    assert text == cold and cached == 0
+    assert reader.core.stats.num_store_read_failures == 1

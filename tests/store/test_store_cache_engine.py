@@ -287,3 +287,20 @@ async def test_a_tier_is_reported_only_as_far_as_it_holds_the_prompt_from_its_st
     await engine.drain()
     assert reports[1:] == [("cpu", 4 * CHUNK), ("fs", 4 * CHUNK)]
     await engine.aclose()
+
+
+async def test_local_flush_empties_ram_and_disk_and_keeps_the_shared_directory(tmp_path: Path) -> None:
+    engine = _engine(
+        local_disk=str(tmp_path / "disk"), max_local_disk_size=1, shared_dir=f"file://{tmp_path}/shared"
+    )
+    assert [t.name for t in engine.tiered.tiers] == ["cpu", "disk", "fs"]
+    kv = _kv(len(TOKENS))
+    await engine.store(TOKENS, NS, kv)
+    await engine.drain()
+    assert await engine.flush(None, local_only=True) == 2 * 4  # four chunks in RAM and on disk
+    result = await engine.retrieve(TOKENS, NS)
+    assert (result.num_tokens, result.tier) == (4 * CHUNK, "fs")
+    parts = await engine.retrieve(TOKENS, NS, join=False)
+    assert parts.kv is None and len(parts.parts) == 4 and parts.num_tokens == 4 * CHUNK
+    np.testing.assert_array_equal(np.concatenate(parts.parts, axis=3), result.kv)
+    await engine.aclose()

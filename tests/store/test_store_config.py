@@ -103,11 +103,16 @@ def test_url_shorthand_takes_environment_overrides() -> None:
         "KVMESH_WRITE_QUEUE_MB": "4096",
         "LMCACHE_MAX_LOCAL_CPU_SIZE": "2",
         "KVMESH_SHARED_DIR": "/elsewhere",
+        "LMCACHE_REMOTE_URL": "lm://cache:65432",  # LMCache's own, beside kvmesh
+        "KVMESH_LOCAL_CPU": "false",
     }
     config = config_from_url("file:///srv/kv", env=env)
     assert config.write_queue_mb == 4096.0
     assert config.max_local_cpu_size == 2.0
-    assert config.shared_dir_path() == Path("/srv/kv")  # the URL's own tier wins
+    # the URL names the tiers: variables neither move nor add nor remove one
+    assert config.shared_dir_path() == Path("/srv/kv")
+    assert config.remote_url is None and config.local_cpu is True
+    assert config_from_url("memory", env=env).remote_url is None
     with pytest.raises(ConfigError, match="write_queue_mb"):
         config_from_url("memory", env={"KVMESH_WRITE_QUEUE_MB": "lots"})
 

@@ -248,10 +248,10 @@ class SlowGets(FlakyBackend):
 
 async def test_read_timeout_grows_with_the_chunks_asked_for() -> None:
     """A healthy tier that needs 0.3 s for a read, under a 0.2 s limit: while the store knows no
-    chunk size the read is a miss; once it has seen 4 MiB chunks, one key gets 0.2 s more and hits."""
+    chunk size the read is a miss; once it expects 16 MiB chunks, one key gets 0.16 s more and hits."""
     slow = SlowGets()
-    big = make_chunk(KEYS[0], tokens=32_768)
-    assert len(big) >= 4 << 20
+    big = make_chunk(KEYS[0], tokens=131_072)
+    assert len(big) >= 16 << 20
     await slow.inner.put_many([(KEYS[0], big)])
     store, _, _ = two_tier(slow, timeout_s=0.2)
     assert store.chunk_bytes == 0
@@ -317,11 +317,27 @@ async def test_a_dropped_tier_write_reports_nothing(failure: str) -> None:
         slow.fail = False
         assert store.tiers[1].breaker.state is BreakerState.OPEN
     slow.fail = failure == "exists_fails"
+    if failure == "queue_full":
+        await store.put(chunks(KEYS[:1]))  # taken (the queue was empty), and still queued below
     seen = _Recorder()
     await store.put(chunks(KEYS[3:4]), seen)
     await store.drain()
     assert seen.reports == [("cpu", KEYS[3:4])]
     assert store.tiers[1].counters.dropped_writes == 1
+    await store.aclose()
+
+
+async def test_a_write_larger_than_the_queue_cap_is_taken_when_nothing_waits() -> None:
+    """One long prompt is more than the cap: dropping it whole on an idle tier would keep long
+    prompts out of the store for good; behind other queued writes it is dropped."""
+    slow = FlakyBackend()
+    big = chunks(KEYS[:3])
+    store, _, _ = two_tier(slow, queued=True, max_queue_bytes=len(big[0][1]))
+    await store.put(big)
+    await store.put(chunks(KEYS[3:5]))  # the first is still queued: over the cap, dropped
+    await store.drain()
+    assert await slow.inner.exists_many(KEYS[:5]) == [True, True, True, False, False]
+    assert store.tiers[1].counters.dropped_writes == 2
     await store.aclose()
 
 

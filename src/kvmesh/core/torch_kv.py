@@ -13,6 +13,10 @@ import warnings
 import numpy as np
 import torch
 
+# torch warns on every read-only buffer it wraps; host_tensor wraps them on purpose, from worker
+# threads (catch_warnings is not thread-safe, so the filter is set once, for that message alone).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
 _STORE_DTYPES: dict[torch.dtype, str] = {
     torch.float32: "float32",
     torch.float16: "float16",
@@ -78,7 +82,5 @@ def host_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     if array.dtype != carried:
         raise ValueError(f"store array is {array.dtype}, the cache is {store_dtype_name(dtype)}")
     raw_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "The given buffer is not writable"
-        flat = torch.frombuffer(array.data.cast("B"), dtype=raw_dtype)
+    flat = torch.frombuffer(array.data.cast("B"), dtype=raw_dtype)
     return flat.view(dtype).view(array.shape)

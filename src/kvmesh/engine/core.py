@@ -289,8 +289,10 @@ class EngineCore:
         tier = Medium.GPU.value
         alloc = req.alloc
         assert alloc is not None, f"{req.request_id} admitted without an allocation"
+        kv = None
         if loaded is not None and loaded.num_tokens > gpu_tokens:
-            kv = loaded.kv
+            kv = self.store_sync.to_runner(loaded)
+        if loaded is not None and kv is not None:
             num_loaded = loaded.num_tokens // bs
             self.cache.cache_blocks(alloc, req.keys[:num_loaded], req.seq.token_ids, kv, tenant=req.tenant)
             num_cached = len(alloc.keys) * bs
@@ -319,7 +321,13 @@ class EngineCore:
         first_new = len(alloc.keys)
         if num_full <= first_new:
             return
-        kv = self.runner.export_kv(req.seq, first_new * bs, num_full * bs)
+        try:
+            kv = self.runner.export_kv(req.seq, first_new * bs, num_full * bs)
+        except Exception:
+            # e.g. no device memory for the copy: these blocks are not cached, the request goes on
+            self.stats.num_kv_export_failures += 1
+            logger.exception("exporting computed KV failed; not caching %s's blocks", req.request_id)
+            return
         self.cache.cache_blocks(
             alloc, req.keys[:num_full], req.seq.token_ids, kv, kv_start=first_new * bs, tenant=req.tenant
         )
@@ -349,7 +357,12 @@ class EngineCore:
         first_new = len(alloc.keys)
         if keys[:first_new] != alloc.keys:
             return
-        kv = self.runner.export_kv(req.seq, first_new * bs, len(keys) * bs)
+        try:
+            kv = self.runner.export_kv(req.seq, first_new * bs, len(keys) * bs)
+        except Exception:
+            self.stats.num_kv_export_failures += 1
+            logger.exception("exporting generated KV failed; not caching %s's output", req.request_id)
+            return
         self.cache.cache_blocks(alloc, keys, computed, kv, kv_start=first_new * bs, tenant=req.tenant)
 
     # ---------------------------------------------------------------- endings and events

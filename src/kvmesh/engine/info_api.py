@@ -112,6 +112,8 @@ class InfoApi:
         if not core.cache.reset():
             raise RequestError("the prefix cache is in use by running requests", status=409)
         core.publish_events()
+        # Writes still being copied or encoded would land after the reset: let them reach the store.
+        await core.store_sync.wait(drain=False)
         removed = await core.store.reset_local()
         return _ok({"reset": True, "store_chunks_removed": removed})
 

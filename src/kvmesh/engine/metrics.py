@@ -86,6 +86,16 @@ class _CoreCollector(Collector):
         yield counter(
             "kvmesh:store_write_failures", "Store writes that failed.", stats.num_store_write_failures
         )
+        yield counter(
+            "kvmesh:store_read_failures",
+            "Store loads that failed and were recomputed.",
+            stats.num_store_read_failures,
+        )
+        yield counter(
+            "kvmesh:kv_export_failures",
+            "Computed KV the runner could not hand over (not cached).",
+            stats.num_kv_export_failures,
+        )
 
 
 class EngineMetrics:

@@ -172,8 +172,8 @@ class PrefixCache:
     def get_kv(self, keys: Sequence[BlockKey]) -> KVArray | None:
         """KV of consecutive cached blocks on the token axis: (L, 2, H, n·block_size, D).
 
-        Blocks cached from one array at consecutive offsets come back as one slice of it (no copy);
-        otherwise the runs are concatenated. Treat the result as read-only.
+        One block comes back as itself (no copy); more are joined with the runner's ``kv_ops``
+        into a new array. Treat the result as read-only: it may be a cached block.
 
         Returns:
             ``None`` when ``keys`` is empty, a block is missing, or blocks carry no KV.
@@ -293,8 +293,8 @@ class PrefixCache:
             keys: block keys from the request's first block.
             token_ids: the request's tokens (at least ``len(keys) * block_size``); only the new
                 blocks' tokens are read, into their BlockStored events, and none are kept.
-            kv: KV of tokens ``[kv_start, len(keys) * block_size)`` or ``None``. The cache keeps a
-                reference to it (blocks are slices of it), so the caller must not modify it later.
+            kv: KV of tokens ``[kv_start, len(keys) * block_size)`` or ``None``, in the runner's
+                form. Each new block keeps its own copy (``kv_ops.copy``), nothing of ``kv`` itself.
             kv_start: first token ``kv`` covers; must be ``len(alloc.keys) * block_size`` or less.
             tenant: published in ``extra_keys`` of a chain's first block.
 

@@ -40,6 +40,8 @@ class EngineStats:
     num_store_writes: int = 0
     num_store_write_failures: int = 0
     num_store_read_failures: int = 0
+    num_kv_export_failures: int = 0
+    """Computed KV that could not be copied out of the runner (not cached; the request went on)."""
     num_steps: int = 0
 
 

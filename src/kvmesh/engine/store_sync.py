@@ -97,18 +97,37 @@ class StoreSync:
             return
         num_tokens = min(loaded.num_tokens, limit_tokens)
         num_tokens -= num_tokens % bs
+        if self.runner.kv_ops is NUMPY_KV and loaded.kv is None:
+            # Host memory: joined now, off the event loop (a long prompt is gigabytes).
+            try:
+                kv = await asyncio.to_thread(NUMPY_KV.join_host, loaded.parts)
+            except Exception:
+                self.stats.num_store_read_failures += 1
+                logger.exception("joining a loaded prefix failed; recomputing")
+                return
+            loaded = LoadedPrefix(kv.shape[3], kv, loaded.tier)
+        # Device memory is taken at admission (:meth:`to_runner`), not while the request waits.
+        req.loaded = LoadedPrefix(
+            num_tokens, None, loaded.tier, (loaded.kv,) if loaded.kv is not None else loaded.parts
+        )
+
+    def to_runner(self, loaded: LoadedPrefix) -> KVArray | None:
+        """A loaded prefix in the runner's form, its first ``num_tokens`` tokens; ``None`` (counted,
+        logged: the request recomputes) when the copy fails, e.g. the device is out of memory.
+
+        Called at admission, on the event loop: a GPU copy blocks it for the transfer, which a
+        request waiting in the queue must not hold device memory for.
+        """
         ops = self.runner.kv_ops
-        # Joined (on a GPU: straight into device memory) off the event loop: gigabytes for a long
-        # prompt of a large model.
-        if loaded.kv is None:
-            kv = await asyncio.to_thread(ops.join_host, loaded.parts)
-        elif ops is not NUMPY_KV:
-            kv = await asyncio.to_thread(ops.from_host, loaded.kv)
-        else:
-            kv = loaded.kv
-        if kv.shape[3] != num_tokens:
-            kv = kv[:, :, :, :num_tokens]
-        req.loaded = LoadedPrefix(num_tokens, kv, loaded.tier)
+        try:
+            kv = (
+                loaded.parts[0] if len(loaded.parts) == 1 and ops is NUMPY_KV else ops.join_host(loaded.parts)
+            )
+        except Exception:
+            self.stats.num_store_read_failures += 1
+            logger.exception("moving a loaded prefix to the runner failed; recomputing")
+            return None
+        return kv if kv.shape[3] == loaded.num_tokens else kv[:, :, :, : loaded.num_tokens]
 
     # ---------------------------------------------------------------- writes
 
@@ -136,9 +155,15 @@ class StoreSync:
         queued, self._queued = self._queued, []
         for req in queued:
             n = (req.prompt_len // self.store.chunk_size) * self.store.chunk_size
-            kv = self.runner.export_kv(req.seq, 0, n)
             done = req.store_done
             assert done is not None, "queued store write without its future"
+            try:
+                kv = self.runner.export_kv(req.seq, 0, n)
+            except Exception:
+                # e.g. no device memory for the copy: the prompt is not written, nothing else fails
+                self.stats.num_store_write_failures += 1
+                logger.exception("exporting a prompt's KV for the store failed")
+                kv = None
             if kv is None:
                 done.set_result(None)
                 continue
@@ -213,12 +238,14 @@ class StoreSync:
         events, self._events = self._events, []
         return events
 
-    async def wait(self) -> None:
-        """Wait until the writes started so far reached every store tier."""
+    async def wait(self, *, drain: bool = True) -> None:
+        """Wait until the writes started so far reached every store tier (``drain=False``: until
+        they were handed to the store, which writes its RAM tier inline and queues the others)."""
         tasks = list(self._tasks)
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        await self.store.drain()
+        if drain:
+            await self.store.drain()
 
     async def close(self) -> None:
         """Wait for the writes in flight (the store itself is closed by its owner)."""

@@ -430,6 +430,13 @@ class KVMeshConnector(_ConnectorBase):
         )
         self.revision = self.settings.revision or str(getattr(model_config, "revision", None) or "")
         self.bridge = _BRIDGES.acquire(self.settings)
+        fmt = self.kv_format
+        element_bytes = 4 if fmt.kv_dtype == "float32" else 2
+        # A process that only reads learns no chunk size from its writes: announce it, so its first
+        # long read gets the transfer allowance instead of the bare timeout.
+        self.bridge.engine.tiered.expect_chunk_bytes(
+            self.bridge.chunk_size * 2 * fmt.num_layers * fmt.num_kv_heads * fmt.head_dim * element_bytes
+        )
         self._set_cache_hit_source()
         self.tracker = RequestTracker(self.bridge.chunk_size, self.block_size, save=self.settings.save)
         self.transfer: PagedKVTransfer | None = None

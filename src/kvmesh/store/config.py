@@ -77,9 +77,10 @@ class StoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     breaker_backoff_s: float = 0.5
     breaker_max_backoff_s: float = 30.0
     write_queue_mb: float = 2048.0
-    """Per-tier cap of encoded bytes waiting to be written (MB = 2^20 bytes). Beyond it a write is
-    dropped (its chunks are recomputed where needed). One 16k-token prompt of an 8B model in
-    bfloat16 is 2 GiB of KV, so the default holds one; a smaller cap drops the tail of long prompts."""
+    """Per-tier cap of encoded bytes waiting to be written (MB = 2^20 bytes). A write that would
+    take the queue past it is dropped whole (its chunks are recomputed where needed), unless nothing
+    else is queued: one prompt larger than the cap is still written to an idle tier. One 8k-token
+    prompt of an 8B model in bfloat16 is 1 GiB of KV."""
     redis_key_prefix: str = "kvmesh"
     redis_ttl_s: float | None = None
     redis_max_connections: int = 32
@@ -235,15 +236,21 @@ def load_config(
     return config_from_mapping(data, source=source)
 
 
+TIER_FIELDS = frozenset({"remote_url", "shared_dir", "local_disk", "local_cpu"})
+"""Fields that choose tiers: a URL shorthand names its tiers itself."""
+
+
 def config_from_url(url: str, env: Mapping[str, str] | None = None) -> StoreConfig:
     """URL shorthand: ``memory``, ``redis://…`` / ``valkey://…`` (RAM + remote), ``file:///dir``
-    (RAM + shared directory). ``KVMESH_*`` / ``LMCACHE_*`` variables set the other fields, as they
-    do for a YAML file; the URL's own tier wins over a variable naming the same field.
+    (RAM + shared directory). ``KVMESH_*`` / ``LMCACHE_*`` variables tune it (queue, timeouts,
+    codec, sizes) as they do a YAML file, but do not add or change tiers (:data:`TIER_FIELDS`):
+    ``LMCACHE_REMOTE_URL`` set for LMCache beside kvmesh leaves ``--store file:///dir`` as it is.
 
     Raises:
         ConfigError: an unknown shorthand, or a bad variable value.
     """
-    data = env_overrides(os.environ if env is None else env)
+    overrides = env_overrides(os.environ if env is None else env)
+    data = {k: v for k, v in overrides.items() if k not in TIER_FIELDS}
     if url == "memory":
         pass
     elif is_redis_url(url):

@@ -49,11 +49,16 @@ TierWritten: TypeAlias = Callable[[str, list[StoreKey]], None]
 the tier now holds (written now or held already). Called on the event loop; must not raise."""
 
 TRANSFER_SECONDS_PER_MIB = 0.05
-"""Extra timeout per MiB moved (a 20 MiB/s floor): float32 chunks of small models are ~12 MiB each,
-an 8B model's bfloat16 chunk 32 MiB, and a batch of them on a busy machine outlasts a fixed
-one-second limit while the tier is healthy. Writes count the bytes they carry; reads the keys they
-ask for times the largest chunk seen (:attr:`TieredStore.chunk_bytes`), so a 2 GiB prefix is not
-mistaken for a dead tier."""
+"""Extra timeout per MiB written (a 20 MiB/s floor): float32 chunks of small models are ~12 MiB
+each, an 8B model's bfloat16 chunk 32 MiB, and a batch of them on a busy machine outlasts a fixed
+one-second limit while the tier is healthy. Writes run in the background, so a longer limit never
+stalls an engine."""
+READ_SECONDS_PER_MIB = 0.01
+"""Extra timeout per MiB of a read (a 100 MiB/s floor), for the keys asked for times the largest
+verified chunk seen (:attr:`TieredStore.chunk_bytes`): a 2 GiB prefix is not mistaken for a dead
+tier. A request waits on its read, so the extra is capped at :data:`MAX_READ_EXTRA_S`."""
+MAX_READ_EXTRA_S = 4.0
+"""Longest a read may outlast the tier's timeout; past it the prefix is recomputed."""
 
 
 @dataclass(slots=True)
@@ -66,7 +71,8 @@ class Tier:
         timeout_s: limit of one call to the backend; ``None`` for no limit (memory).
         breaker: the tier's circuit breaker.
         queued: writes go through a bounded queue and a worker task instead of inline.
-        max_queue_bytes: bytes of encoded chunks the queue may hold; beyond, writes are dropped.
+        max_queue_bytes: bytes of encoded chunks the queue may hold; beyond, writes are dropped
+            (a single write larger than this is taken when nothing else is queued).
         promote: copy chunks found in slower tiers into this one.
     """
 
@@ -152,12 +158,19 @@ class TieredStore:
     # ----------------------------------------------------------------- tier calls
 
     async def _call(
-        self, tier: Tier, op: str, fn: Callable[[], Awaitable[T]], *, num_bytes: int = 0
+        self,
+        tier: Tier,
+        op: str,
+        fn: Callable[[], Awaitable[T]],
+        *,
+        num_bytes: int = 0,
+        extra_s: float = 0.0,
     ) -> T | None:
         """Run one backend call under the tier's breaker and timeout; ``None`` when it failed.
 
-        A call that moves ``num_bytes`` gets :data:`TRANSFER_SECONDS_PER_MIB` more per MiB: the
-        timeout tells a dead tier from a live one, not a large batch from a small one.
+        A write of ``num_bytes`` gets :data:`TRANSFER_SECONDS_PER_MIB` more per MiB, a read the
+        ``extra_s`` its caller allows: the timeout tells a dead tier from a live one, not a large
+        batch from a small one.
         """
         if not tier.breaker.allow():
             tier.counters.breaker_rejections += 1
@@ -166,7 +179,7 @@ class TieredStore:
         timeout = (
             None
             if tier.timeout_s is None
-            else tier.timeout_s + num_bytes / (1 << 20) * TRANSFER_SECONDS_PER_MIB
+            else tier.timeout_s + num_bytes / (1 << 20) * TRANSFER_SECONDS_PER_MIB + extra_s
         )
         try:
             if timeout is None:
@@ -270,18 +283,16 @@ class TieredStore:
             if not todo:
                 continue
             batch = [keys[i] for i in todo]
-            expected = len(batch) * self.chunk_bytes
-            values = await self._call(tier, "get", partial(tier.backend.get_many, batch), num_bytes=expected)
+            extra = min(len(batch) * self.chunk_bytes / (1 << 20) * READ_SECONDS_PER_MIB, MAX_READ_EXTRA_S)
+            values = await self._call(tier, "get", partial(tier.backend.get_many, batch), extra_s=extra)
             if values is None:
                 continue
-            self.chunk_bytes = max(
-                self.chunk_bytes, max((len(v) for v in values if v is not None), default=0)
-            )
             decoded = await self._verify(tier, batch, values)
             for i, value, chunk in zip(todo, values, decoded, strict=True):
                 if chunk is None or value is None:
                     tier.counters.misses += 1
                     continue
+                self.chunk_bytes = max(self.chunk_bytes, len(value))
                 tier.counters.hits += 1
                 tier.counters.bytes_read += len(value)
                 found[i] = FoundChunk(chunk, tier.name, value)
@@ -374,7 +385,9 @@ class TieredStore:
 
     def _enqueue(self, tier: Tier, op: _WriteOp) -> None:
         size = op.num_bytes
-        if self._closed or tier.queue_bytes + size > tier.max_queue_bytes:
+        # Over the cap only behind other writes: a lone write larger than the cap (one long
+        # prompt) is taken, else such prompts would never reach this tier.
+        if self._closed or (tier.queue_bytes > 0 and tier.queue_bytes + size > tier.max_queue_bytes):
             tier.counters.dropped_writes += len(op.items) or len(op.keys)
             return
         if tier._queue is None:
@@ -433,10 +446,11 @@ class TieredStore:
         # A short count does not say which items were left out, so none of them is reported.
         _maybe_report(tier, op, held + [key for key, _ in items] if stored >= len(items) else held)
 
-    async def drain(self) -> None:
-        """Wait until every queued write issued so far has been attempted."""
+    async def drain(self, tiers: Collection[str] | None = None) -> None:
+        """Wait until every queued write issued so far has been attempted (in the tiers named in
+        ``tiers``, or all)."""
         for tier in self.tiers:
-            if tier._queue is not None:
+            if tier._queue is not None and (tiers is None or tier.name in tiers):
                 await tier._queue.join()
 
     # ----------------------------------------------------------------- admin
@@ -456,12 +470,12 @@ class TieredStore:
         """Delete every chunk of ``group`` (all chunks when ``None``) from every tier, or from the
         tiers named in ``tiers``.
 
-        Queued writes are drained first so none lands after the flush.
+        Queued writes to those tiers are drained first so none lands after the flush.
 
         Returns:
             Chunks removed per tier; ``None`` for a tier that could not be reached.
         """
-        await self.drain()
+        await self.drain(tiers)
         out: dict[str, int | None] = {}
         for tier in self.tiers:
             if tiers is None or tier.name in tiers:
