@@ -46,6 +46,7 @@ async def test_the_router_credits_every_engine_with_the_shared_tier_and_the_engi
     raw = {
         "endpoints": [{"url": e.url} for e in engines],
         "policy": "precise",
+        "adminToken": "s3cret",
         "health": {"intervalS": 0.25, "timeoutS": 2.0, "failureThreshold": 3, "metricsIntervalS": 0.5},
     }
     gw = Gateway(router_config_from_dict(raw))
@@ -81,6 +82,17 @@ async def test_the_router_credits_every_engine_with_the_shared_tier_and_the_engi
         ):
             usage = (await direct.json())["usage"]
         assert usage["prompt_tokens_details"]["cached_tokens"] == 512
+        # the operator empties the store: the router forgets the shared tier's credit, not the
+        # engines' own blocks
+        auth = {"Authorization": "Bearer s3cret"}
+        own = matched().pods[writer].num_blocks
+        resp = await client.post("/admin/flush", json={"shared": True}, headers=auth)
+        assert resp.status == 200 and (await resp.json())["flushed"] >= 32
+        after = matched()
+        assert after.shared is None and after.pods[writer].num_blocks == own
+        assert after.hit_tokens(other_pod) == 0 or other_pod in after.pods
+        bad = await client.post("/admin/flush", json={"shared": "yes"}, headers=auth)
+        assert bad.status == 400
     finally:
         await client.close()
         for e in engines:

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from kvmesh.errors import ConfigError, RequestError
 from kvmesh.router.endpoints import EndpointConfig, EndpointPool, normalize_url
+from kvmesh.router.index import SHARED_TIER_HOLDER
 from kvmesh.router.replies import error_response, json_response
 from kvmesh.router.tokenize import CachedTokenizer
 
@@ -116,11 +117,17 @@ class AdminApi:
     async def _flush(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         if not isinstance(body, dict) or not body:
-            raise RequestError('give {"pod": url} or {"tenant": ..., "lora": ...}')
+            raise RequestError('give {"pod": url}, {"shared": true} or {"tenant": ..., "lora": ...}')
         applier = self.gateway.applier
         if applier is None:
             return json_response({"flushed": 0})
-        if "pod" in body:
+        if "shared" in body:
+            # The fleet's shared tier was emptied (a Redis FLUSHALL, a wiped directory): forget what
+            # its announcements credited to every endpoint.
+            if body["shared"] is not True:
+                raise RequestError("'shared' must be true", param="shared")
+            flushed = applier.drop_pod(SHARED_TIER_HOLDER)
+        elif "pod" in body:
             if not isinstance(body["pod"], str):
                 raise RequestError("'pod' must be a URL string", param="pod")
             try:
