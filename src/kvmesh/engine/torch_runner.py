@@ -23,8 +23,8 @@ sequences that are not part of the step in flight.
 
 Where KV lives: on the CPU the runner's KV arrays are numpy (:data:`~kvmesh.engine.runner.NUMPY_KV`);
 on a GPU they are tensors in device memory (:class:`DeviceKVOps`), so the engine's device tier keeps
-cached blocks on the GPU and a hit is a device-side copy. Only store reads and writes cross the bus,
-off the event loop.
+cached blocks on the GPU and a hit is a device-side copy. Only the store's traffic crosses the bus:
+writes on a worker thread, loads when their request is admitted.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class DeviceKVOps:
         return to_store_array(kv)
 
     def from_host(self, array: np.ndarray) -> KVArray:
-        return from_store_array(array, self.dtype).to(self.device)
+        return host_tensor(array, self.dtype).to(self.device)
 
     def join_host(self, parts: Sequence_[np.ndarray]) -> KVArray:
         """Each chunk copied into its slice of one device tensor: no joined copy in host memory."""
