@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvmesh.core.torch_kv import host_tensor
+from kvmesh.core.torch_kv import from_store_array
 from kvmesh.engine.app import EngineOptions, build_engine
 from kvmesh.engine.server import EngineServer
 from kvmesh.engine.torch_runner import DeviceKVOps, TorchRunner
@@ -100,7 +100,7 @@ def test_device_ops_join_read_only_chunks_without_copying_them_on_the_host() -> 
         data = host[:, :, :, start : start + 16].tobytes()  # what a tier returns
         part = np.frombuffer(data, dtype=np.uint16).reshape(2, 2, 3, 16, 8)
         assert not part.flags.writeable
-        wrapped = host_tensor(part, torch.bfloat16)
+        wrapped = from_store_array(part, torch.bfloat16)
         assert wrapped.data_ptr() == part.ctypes.data  # wrapped where it lies, not copied
         parts.append(part)
     joined = ops.join_host(parts)

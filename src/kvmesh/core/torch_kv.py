@@ -13,7 +13,7 @@ import warnings
 import numpy as np
 import torch
 
-# torch warns on every read-only buffer it wraps; host_tensor wraps them on purpose, from worker
+# torch warns on every read-only buffer it wraps; from_store_array wraps them on purpose, from worker
 # threads (catch_warnings is not thread-safe, so the filter is set once, for that message alone).
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
@@ -46,41 +46,27 @@ def to_store_array(kv: torch.Tensor) -> np.ndarray:
 
 
 def from_store_array(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of ``dtype`` from a store array (uint16 bit patterns when ``dtype`` is bfloat16).
+    """A CPU tensor of ``dtype`` over a store array (uint16 bit patterns when ``dtype`` is bfloat16).
 
-    The tensor shares the array's memory; a read-only array (e.g. ``np.frombuffer`` of bytes) is
-    copied first, since torch cannot wrap read-only memory.
+    The tensor shares the array's memory, read-only memory included: store chunks are read-only
+    views of the bytes a tier returned, and a contiguous one is wrapped where it lies, not copied
+    (never write to the tensor). Only a read-only array that is not contiguous is copied first.
 
     Raises:
         ValueError: the array's dtype cannot hold ``dtype``'s values bit for bit.
     """
-    if not array.flags.writeable:
-        array = array.copy()
     if dtype == torch.bfloat16:
         if array.dtype != np.uint16:
             raise ValueError(f"bfloat16 KV must arrive as uint16 bit patterns, got {array.dtype}")
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    name = store_dtype_name(dtype)
-    if array.dtype.name != name:
-        raise ValueError(f"store array is {array.dtype}, the cache is {name}")
-    return torch.from_numpy(array)
-
-
-def host_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of ``dtype`` over ``array``'s memory, also when the array is read-only.
-
-    Store chunks are read-only views of the bytes a tier returned; :func:`from_store_array` would
-    copy them first. A contiguous read-only array is wrapped as it is instead (the tensor must not
-    be written to); anything else goes through :func:`from_store_array`.
-
-    Raises:
-        ValueError: the array's dtype cannot hold ``dtype``'s values bit for bit.
-    """
-    if array.flags.writeable or not array.flags.c_contiguous:
-        return from_store_array(array, dtype)
-    carried = np.uint16 if dtype == torch.bfloat16 else np.dtype(store_dtype_name(dtype))
-    if array.dtype != carried:
-        raise ValueError(f"store array is {array.dtype}, the cache is {store_dtype_name(dtype)}")
-    raw_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
-    flat = torch.frombuffer(array.data.cast("B"), dtype=raw_dtype)
+        raw_np, raw_torch = np.dtype(np.int16), torch.int16
+    else:
+        name = store_dtype_name(dtype)
+        if array.dtype.name != name:
+            raise ValueError(f"store array is {array.dtype}, the cache is {name}")
+        raw_np, raw_torch = array.dtype, dtype
+    if array.flags.writeable:
+        return torch.from_numpy(array.view(raw_np)).view(dtype)
+    if not array.flags.c_contiguous:
+        return torch.from_numpy(array.astype(raw_np, copy=True)).view(dtype)
+    flat = torch.frombuffer(array.data.cast("B"), dtype=raw_torch)
     return flat.view(dtype).view(array.shape)

@@ -68,7 +68,7 @@ class NumpyKVOps:
         return array
 
     def join_host(self, parts: Seq[np.ndarray]) -> KVArray:
-        return np.concatenate(parts, axis=3)
+        return self.concat(parts)
 
 
 NUMPY_KV = NumpyKVOps()

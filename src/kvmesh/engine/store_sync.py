@@ -97,19 +97,17 @@ class StoreSync:
             return
         num_tokens = min(loaded.num_tokens, limit_tokens)
         num_tokens -= num_tokens % bs
-        if self.runner.kv_ops is NUMPY_KV and loaded.kv is None:
+        parts = loaded.parts if loaded.kv is None else (loaded.kv,)
+        if self.runner.kv_ops is NUMPY_KV and len(parts) > 1:
             # Host memory: joined now, off the event loop (a long prompt is gigabytes).
             try:
-                kv = await asyncio.to_thread(NUMPY_KV.join_host, loaded.parts)
+                parts = (await asyncio.to_thread(NUMPY_KV.join_host, parts),)
             except Exception:
                 self.stats.num_store_read_failures += 1
                 logger.exception("joining a loaded prefix failed; recomputing")
                 return
-            loaded = LoadedPrefix(kv.shape[3], kv, loaded.tier)
         # Device memory is taken at admission (:meth:`to_runner`), not while the request waits.
-        req.loaded = LoadedPrefix(
-            num_tokens, None, loaded.tier, (loaded.kv,) if loaded.kv is not None else loaded.parts
-        )
+        req.loaded = LoadedPrefix(num_tokens, None, loaded.tier, parts)
 
     def to_runner(self, loaded: LoadedPrefix) -> KVArray | None:
         """A loaded prefix in the runner's form, its first ``num_tokens`` tokens; ``None`` (counted,
@@ -119,10 +117,9 @@ class StoreSync:
         request waiting in the queue must not hold device memory for.
         """
         ops = self.runner.kv_ops
+        parts = loaded.parts
         try:
-            kv = (
-                loaded.parts[0] if len(loaded.parts) == 1 and ops is NUMPY_KV else ops.join_host(loaded.parts)
-            )
+            kv = parts[0] if len(parts) == 1 and ops is NUMPY_KV else ops.join_host(parts)
         except Exception:
             self.stats.num_store_read_failures += 1
             logger.exception("moving a loaded prefix to the runner failed; recomputing")

@@ -41,7 +41,7 @@ import torch
 
 from kvmesh.core.models import resolve_model
 from kvmesh.core.tokens import Tokenizer
-from kvmesh.core.torch_kv import from_store_array, host_tensor, store_dtype_name, to_store_array
+from kvmesh.core.torch_kv import from_store_array, store_dtype_name, to_store_array
 from kvmesh.engine.runner import (
     NUMPY_KV,
     KVArray,
@@ -84,7 +84,7 @@ class DeviceKVOps:
         return to_store_array(kv)
 
     def from_host(self, array: np.ndarray) -> KVArray:
-        return host_tensor(array, self.dtype).to(self.device)
+        return from_store_array(array, self.dtype).to(self.device)
 
     def join_host(self, parts: Sequence_[np.ndarray]) -> KVArray:
         """Each chunk copied into its slice of one device tensor: no joined copy in host memory."""
@@ -94,7 +94,7 @@ class DeviceKVOps:
         start = 0
         for part in parts:
             end = start + part.shape[3]
-            out[:, :, :, start:end].copy_(host_tensor(part, self.dtype))
+            out[:, :, :, start:end].copy_(from_store_array(part, self.dtype))
             start = end
         return out
 
