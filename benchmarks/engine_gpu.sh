@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The reference engine on a GPU: the bfloat16 KV round-trip tests on the device, then cold / store /
-# local TTFT of a random-weight model of a real shape (benchmarks/random_model.py; no weights are
+# The reference engine on a GPU: the bfloat16 KV round-trip tests on the device, a stored 16k-token
+# prefix into device memory stage by stage (benchmarks/store_to_device.py), then cold / store / local TTFT of a random-weight model of a real shape (benchmarks/random_model.py; no weights are
 # downloaded) served by two engines that share a store directory (benchmarks/engine_store_ttft.py).
 #
-#   benchmarks/engine_gpu.sh OUT_DIR        (writes OUT_DIR/engine_gpu.json)
+#   benchmarks/engine_gpu.sh OUT_DIR        (writes OUT_DIR/store_to_device.json, OUT_DIR/engine_gpu.json)
 #   DEVICE=cuda SHAPE=llama-3.1-8b LENGTHS=2048,8192,16384 TRIALS=3 are the defaults.
 set -euo pipefail
 out=${1:?usage: engine_gpu.sh OUT_DIR}
@@ -27,5 +27,7 @@ KVMESH_TEST_DEVICE=$device KVMESH_CACHE_DIR="$work/cache" "$python" -m pytest -q
 shared=/dev/shm
 if [ "$(df --output=avail -k /dev/shm | tail -1)" -lt 40000000 ]; then shared=$work; fi
 echo "shared store under $shared"
+"$python" benchmarks/store_to_device.py --shape "$shape" --device "$device" --tokens 16384 --dir "$shared" \
+    --json | tee "$out/store_to_device.json"
 "$python" benchmarks/engine_store_ttft.py --model "$work/$shape-random" --device "$device" --dtype bfloat16 \
     --prefix-len "$lengths" --trials "$trials" --shared-dir "$shared" --json | tee "$out/engine_gpu.json"

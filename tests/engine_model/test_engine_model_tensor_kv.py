@@ -146,3 +146,24 @@ async def test_a_load_that_cannot_reach_the_device_is_recomputed(engine: Callabl
     text, cached = await complete(reader, PROMPT)
     assert text == cold and cached == 0
     assert reader.core.stats.num_store_read_failures == 1
+
+
+@pytest.mark.skipif(
+    DEVICE != "cuda", reason="page-locked staging needs a CUDA device (KVMESH_TEST_DEVICE=cuda)"
+)
+def test_staged_copies_equal_direct_ones_across_buffer_reuse_and_growth() -> None:
+    staged = DeviceKVOps(torch.device(DEVICE), torch.bfloat16)
+    direct = DeviceKVOps(torch.device(DEVICE), torch.bfloat16, staged=False)
+    assert staged.staged and not direct.staged
+    for chunk in (16, 32, 16):  # the buffers grow for 32-token chunks, then are reused as they are
+        kv = torch.randn(2, 2, 3, chunk * 5, 8).to(torch.bfloat16)
+        host = staged.to_host(kv)
+        parts = [host[:, :, :, s : s + chunk].copy() for s in range(0, chunk * 5, chunk)]
+        joined = staged.join_host(parts)
+        assert torch.equal(joined, direct.join_host(parts))
+        assert torch.equal(joined.cpu(), kv)
+
+
+def test_staged_copies_are_refused_off_cuda() -> None:
+    with pytest.raises(ValueError, match="CUDA"):
+        DeviceKVOps(torch.device("cpu"), torch.bfloat16, staged=True)

@@ -12,7 +12,8 @@ from store_helpers import LocalCluster, build_backend
 from kvmesh.store.backends.base import Backend
 from kvmesh.store.local_server import LocalServer, find_server_binary
 
-BACKEND_KINDS = ["memory", "disk", "fs", "redis", "valkey"]
+# The file tiers map chunk files on local file systems and copy them on network ones: both ways.
+BACKEND_KINDS = ["memory", "disk", "disk-copied", "fs", "fs-copied", "redis", "valkey"]
 
 
 def _server(flavor: str) -> Iterator[LocalServer]:

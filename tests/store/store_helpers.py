@@ -107,10 +107,10 @@ def build_backend(
 ) -> Backend:
     if kind == "memory":
         return MemoryBackend(capacity)
-    if kind == "disk":
-        return DiskBackend(tmp_path / "disk", capacity)
-    if kind == "fs":
-        return SharedDirBackend(tmp_path / "shared")
+    if kind in ("disk", "disk-copied"):
+        return DiskBackend(tmp_path / "disk", capacity, mapped=kind == "disk")
+    if kind in ("fs", "fs-copied"):
+        return SharedDirBackend(tmp_path / "shared", mapped=kind == "fs")
     server: LocalServer = request.getfixturevalue(f"{kind}_server")
     return RedisBackend(server.url, key_prefix=unique_prefix())
 

@@ -114,7 +114,12 @@ async def _run_tier(
             bad = [_forge(rng, k, n) for n, k in enumerate(keys)]
         else:
             bad = [
-                _damage(rng, DAMAGES[n % len(DAMAGES)], v or b"", values[(n + 1) % len(values)] or b"")
+                _damage(
+                    rng,
+                    DAMAGES[n % len(DAMAGES)],
+                    bytes(v or b""),
+                    bytes(values[(n + 1) % len(values)] or b""),
+                )
                 for n, v in enumerate(values)
             ]
         await _put_raw(layer, list(zip(keys, bad, strict=True)))

@@ -38,7 +38,9 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
         )
     disk_path = config.local_disk_path()
     if disk_path is not None:
-        backend = DiskBackend(disk_path, int(config.max_local_disk_size * GB), fsync=config.disk_fsync)
+        backend = DiskBackend(
+            disk_path, int(config.max_local_disk_size * GB), fsync=config.disk_fsync, mapped=config.mmap_reads
+        )
         tiers.append(
             Tier(
                 "disk",
@@ -72,7 +74,7 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
         tiers.append(
             Tier(
                 "fs",
-                SharedDirBackend(shared, fsync=config.disk_fsync),
+                SharedDirBackend(shared, fsync=config.disk_fsync, mapped=config.mmap_reads),
                 timeout_s=config.remote_timeout_s,
                 breaker=_breaker(config),
                 queued=True,

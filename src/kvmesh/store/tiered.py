@@ -32,7 +32,7 @@ from functools import partial
 from typing import TypeAlias, TypeVar
 
 from kvmesh.errors import CorruptChunkError, TierUnavailableError
-from kvmesh.store.backends.base import Backend
+from kvmesh.store.backends.base import Backend, ChunkData
 from kvmesh.store.breaker import CircuitBreaker
 from kvmesh.store.codec import ChunkCodec, DecodedChunk
 from kvmesh.store.keys import StoreKey
@@ -93,7 +93,7 @@ class Tier:
 class _WriteOp:
     kind: str
     """"put" (skip keys the tier already holds), "promote" (put as is) or "delete"."""
-    items: list[tuple[StoreKey, bytes]] = field(default_factory=list)
+    items: list[tuple[StoreKey, ChunkData]] = field(default_factory=list)
     keys: list[StoreKey] = field(default_factory=list)
     on_written: TierWritten | None = None
     """For "put": told which keys the tier holds once the write succeeded."""
@@ -112,7 +112,7 @@ class FoundChunk:
 
     chunk: DecodedChunk
     tier: str
-    data: bytes
+    data: ChunkData
 
 
 @dataclass(slots=True)
@@ -298,7 +298,7 @@ class TieredStore:
                 found[i] = FoundChunk(chunk, tier.name, value)
 
     async def _verify(
-        self, tier: Tier, keys: list[StoreKey], values: list[bytes | None]
+        self, tier: Tier, keys: list[StoreKey], values: list[ChunkData | None]
     ) -> list[DecodedChunk | None]:
         def run() -> list[DecodedChunk | BaseException | None]:
             out: list[DecodedChunk | BaseException | None] = []
@@ -354,7 +354,7 @@ class TieredStore:
 
     async def put(
         self,
-        items: Sequence[tuple[StoreKey, bytes]],
+        items: Sequence[tuple[StoreKey, ChunkData]],
         on_written: TierWritten | None = None,
         vouch: Sequence[StoreKey] = (),
     ) -> None:

@@ -3,7 +3,8 @@
 Contract shared by all backends (checked by ``tests/store/test_store_backends.py`` against each):
 
 - Batch-first: every call takes a sequence of keys and answers per key, in order.
-- Values are opaque bytes (encoded chunks); a backend never interprets them.
+- Values are opaque bytes (encoded chunks); a backend never interprets them. A value read back may
+  be a read-only ``memoryview`` (the file tiers map files rather than copy them).
 - A miss is ``False`` / ``None`` in the answer, never an exception.
 - A backend that cannot do its job (server down, disk I/O error) raises
   :class:`~kvmesh.errors.TierUnavailableError`, chained from the underlying error; third-party
@@ -19,6 +20,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvmesh.store.keys import StoreKey
+
+ChunkData = bytes | memoryview
+"""An encoded chunk as a backend hands it out or takes it in."""
 
 
 @dataclass(slots=True)
@@ -56,11 +60,11 @@ class Backend(Protocol):
         """Whether each key is held."""
         ...
 
-    async def get_many(self, keys: Sequence[StoreKey]) -> list[bytes | None]:
+    async def get_many(self, keys: Sequence[StoreKey]) -> list[ChunkData | None]:
         """Each key's value, or ``None`` when it is not held."""
         ...
 
-    async def put_many(self, items: Sequence[tuple[StoreKey, bytes]]) -> int:
+    async def put_many(self, items: Sequence[tuple[StoreKey, ChunkData]]) -> int:
         """Store the items; returns how many were stored."""
         ...
 

@@ -22,7 +22,7 @@ from typing import TypeVar
 
 from kvmesh.errors import TierUnavailableError
 from kvmesh.store.backends import files
-from kvmesh.store.backends.base import Backend, BackendStats
+from kvmesh.store.backends.base import Backend, BackendStats, ChunkData
 from kvmesh.store.keys import StoreKey
 
 T = TypeVar("T")
@@ -36,16 +36,26 @@ class DiskBackend:
             :class:`~kvmesh.store.backends.fs.SharedDirBackend` for a directory shared by many.
         capacity_bytes: byte budget for chunk files (> 0).
         fsync: fsync each file before it is renamed into place (durable across power loss).
+        mapped: map chunk files rather than copy them (see :func:`files.map_or_none`); default:
+            unless the directory is on a network file system.
     """
 
     kind = "disk"
 
-    def __init__(self, root: str | os.PathLike[str], capacity_bytes: int, *, fsync: bool = False) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        capacity_bytes: int,
+        *,
+        fsync: bool = False,
+        mapped: bool | None = None,
+    ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.root = Path(root)
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
+        self.mapped = not files.is_network_fs(self.root) if mapped is None else mapped
         self.num_evictions = 0
         self._index: OrderedDict[StoreKey, int] = OrderedDict()
         self._num_bytes = 0
@@ -110,10 +120,10 @@ class DiskBackend:
     def _unlink_all(self, keys: list[StoreKey]) -> int:
         return sum(files.unlink_quiet(files.chunk_path(self.root, k)) for k in keys)
 
-    def _read_all(self, keys: list[StoreKey]) -> list[bytes | None]:
-        return [files.read_or_none(files.chunk_path(self.root, k)) for k in keys]
+    def _read_all(self, keys: list[StoreKey]) -> list[ChunkData | None]:
+        return [files.read_chunk(files.chunk_path(self.root, k), mapped=self.mapped) for k in keys]
 
-    def _write_all(self, doomed: list[StoreKey], items: list[tuple[StoreKey, bytes]]) -> None:
+    def _write_all(self, doomed: list[StoreKey], items: list[tuple[StoreKey, ChunkData]]) -> None:
         self._unlink_all(doomed)
         for key, value in items:
             files.write_atomic(files.chunk_path(self.root, key), value, fsync=self.fsync)
@@ -122,14 +132,14 @@ class DiskBackend:
         await self._ensure_loaded()
         return [k in self._index for k in keys]
 
-    async def get_many(self, keys: Sequence[StoreKey]) -> list[bytes | None]:
+    async def get_many(self, keys: Sequence[StoreKey]) -> list[ChunkData | None]:
         await self._ensure_loaded()
         wanted = [k for k in keys if k in self._index]
         if not wanted:
             return [None] * len(keys)
         generation = self._generation
         values = dict(zip(wanted, await self._run(self._read_all, wanted), strict=True))
-        out: list[bytes | None] = []
+        out: list[ChunkData | None] = []
         for key in keys:
             value = values.get(key)
             if value is None and key in values and generation == self._generation:
@@ -142,7 +152,7 @@ class DiskBackend:
             out.append(value)
         return out
 
-    async def put_many(self, items: Sequence[tuple[StoreKey, bytes]]) -> int:
+    async def put_many(self, items: Sequence[tuple[StoreKey, ChunkData]]) -> int:
         await self._ensure_loaded()
         async with self._mutation:
             self._generation += 1
@@ -151,8 +161,8 @@ class DiskBackend:
             finally:
                 self._generation += 1
 
-    async def _put_locked(self, items: Sequence[tuple[StoreKey, bytes]]) -> int:
-        accepted: list[tuple[StoreKey, bytes]] = []
+    async def _put_locked(self, items: Sequence[tuple[StoreKey, ChunkData]]) -> int:
+        accepted: list[tuple[StoreKey, ChunkData]] = []
         doomed: list[StoreKey] = []
         for key, value in items:
             size = len(value)

@@ -3,7 +3,9 @@
 No process owns the directory, so nothing is cached about it: every call asks the file system.
 Writes are atomic (unique temporary name + rename in the same directory); concurrent writers of
 one key both write the same bytes and the last rename wins. Deleting a file another process is
-reading is safe on POSIX file systems (the reader keeps its open file). Readers rely on the chunk
+reading is safe on POSIX file systems (the reader keeps its open file or mapping). Files are mapped,
+not copied, on a local file system (``/dev/shm``, a local disk shared by one host's replicas) and
+copied on a network one, several at a time. Readers rely on the chunk
 checksum, never on the file system, to reject a torn or truncated file. The tier does not enforce
 a byte budget: size the shared directory (or expire it) where it is provisioned.
 """
@@ -14,16 +16,19 @@ import asyncio
 import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
 from kvmesh.errors import TierUnavailableError
 from kvmesh.store.backends import files
-from kvmesh.store.backends.base import Backend, BackendStats
+from kvmesh.store.backends.base import Backend, BackendStats, ChunkData
 from kvmesh.store.keys import StoreKey
 
 T = TypeVar("T")
 STALE_TMP_S = 3600.0
+READ_THREADS = 4
+"""Files read at once by one batch (a network file system answers each read after a round trip)."""
 
 
 class SharedDirBackend:
@@ -32,13 +37,19 @@ class SharedDirBackend:
     Args:
         root: the shared directory (created when missing).
         fsync: fsync each file before it is renamed into place.
+        mapped: map files rather than copy them; default: unless the directory is on a network
+            file system, where another host could truncate a file under the mapping.
     """
 
     kind = "fs"
 
-    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = False) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], *, fsync: bool = False, mapped: bool | None = None
+    ) -> None:
         self.root = Path(root)
         self.fsync = fsync
+        self.mapped = not files.is_network_fs(self.root) if mapped is None else mapped
+        self._readers: ThreadPoolExecutor | None = None
 
     async def _run(self, func: Callable[..., T], *args: object) -> T:
         try:
@@ -52,10 +63,17 @@ class SharedDirBackend:
     def _exists_all(self, keys: Sequence[StoreKey]) -> list[bool]:
         return [self._path(k).is_file() for k in keys]
 
-    def _read_all(self, keys: Sequence[StoreKey]) -> list[bytes | None]:
-        return [files.read_or_none(self._path(k)) for k in keys]
+    def _read_one(self, key: StoreKey) -> ChunkData | None:
+        return files.read_chunk(self._path(key), mapped=self.mapped)
 
-    def _write_all(self, items: Sequence[tuple[StoreKey, bytes]]) -> int:
+    def _read_all(self, keys: Sequence[StoreKey]) -> list[ChunkData | None]:
+        if len(keys) < 2:
+            return [self._read_one(k) for k in keys]
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvmesh-fs-read")
+        return list(self._readers.map(self._read_one, keys))
+
+    def _write_all(self, items: Sequence[tuple[StoreKey, ChunkData]]) -> int:
         for key, value in items:
             files.write_atomic(self._path(key), value, fsync=self.fsync)
         return len(items)
@@ -81,10 +99,10 @@ class SharedDirBackend:
     async def exists_many(self, keys: Sequence[StoreKey]) -> list[bool]:
         return await self._run(self._exists_all, list(keys))
 
-    async def get_many(self, keys: Sequence[StoreKey]) -> list[bytes | None]:
+    async def get_many(self, keys: Sequence[StoreKey]) -> list[ChunkData | None]:
         return await self._run(self._read_all, list(keys))
 
-    async def put_many(self, items: Sequence[tuple[StoreKey, bytes]]) -> int:
+    async def put_many(self, items: Sequence[tuple[StoreKey, ChunkData]]) -> int:
         return await self._run(self._write_all, list(items))
 
     async def delete_many(self, keys: Sequence[StoreKey]) -> int:
@@ -97,7 +115,9 @@ class SharedDirBackend:
         return await self._run(self._stats)
 
     async def aclose(self) -> None:
-        return None
+        if self._readers is not None:
+            self._readers.shutdown(wait=False)
+            self._readers = None
 
 
 _check: type[Backend] = SharedDirBackend

@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import mmap
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvmesh.store.backends.base import Backend, BackendStats
+from kvmesh.store.backends.base import Backend, BackendStats, ChunkData
 from kvmesh.store.keys import StoreKey
 
 
 class MemoryBackend:
     """LRU of encoded chunks, bounded by the sum of their lengths.
 
-    Runs on the caller's event loop with no locks: every method completes without awaiting.
-    A ``get`` or ``put`` makes the key most recently used; inserting evicts from the least
-    recently used end until the new item fits. An item larger than the whole budget is refused.
+        Runs on the caller's event loop with no locks: every method completes without awaiting.
+        A ``get`` or ``put`` makes the key most recently used; inserting evicts from the least
+        recently used end until the new item fits. An item larger than the whole budget is refused.
 
-    Args:
-        capacity_bytes: byte budget (> 0).
+    Values are kept as given when they cannot change (``bytes``; a read-only ``memoryview``, as the
+    file tiers hand out: a mapping of a chunk file, which is never written in place) and copied
+    otherwise. A kept mapping holds its file's pages, and its disk space once the file is removed,
+    until the entry is evicted.
+
+        Args:
+            capacity_bytes: byte budget (> 0).
     """
 
     kind = "memory"
@@ -26,7 +32,7 @@ class MemoryBackend:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
-        self._entries: OrderedDict[StoreKey, bytes] = OrderedDict()
+        self._entries: OrderedDict[StoreKey, ChunkData] = OrderedDict()
         self._num_bytes = 0
         self.num_evictions = 0
 
@@ -41,8 +47,8 @@ class MemoryBackend:
     async def exists_many(self, keys: Sequence[StoreKey]) -> list[bool]:
         return [k in self._entries for k in keys]
 
-    async def get_many(self, keys: Sequence[StoreKey]) -> list[bytes | None]:
-        out: list[bytes | None] = []
+    async def get_many(self, keys: Sequence[StoreKey]) -> list[ChunkData | None]:
+        out: list[ChunkData | None] = []
         for key in keys:
             value = self._entries.get(key)
             if value is not None:
@@ -50,7 +56,7 @@ class MemoryBackend:
             out.append(value)
         return out
 
-    async def put_many(self, items: Sequence[tuple[StoreKey, bytes]]) -> int:
+    async def put_many(self, items: Sequence[tuple[StoreKey, ChunkData]]) -> int:
         stored = 0
         for key, value in items:
             size = len(value)
@@ -63,7 +69,7 @@ class MemoryBackend:
                 _, evicted = self._entries.popitem(last=False)
                 self._num_bytes -= len(evicted)
                 self.num_evictions += 1
-            self._entries[key] = bytes(value)
+            self._entries[key] = value if _immutable(value) else bytes(value)
             self._num_bytes += size
             stored += 1
         return stored
@@ -93,6 +99,12 @@ class MemoryBackend:
     async def aclose(self) -> None:
         self._entries.clear()
         self._num_bytes = 0
+
+
+def _immutable(value: ChunkData) -> bool:
+    return isinstance(value, bytes) or (
+        isinstance(value, memoryview) and value.readonly and isinstance(value.obj, (bytes, mmap.mmap))
+    )
 
 
 _check: type[Backend] = MemoryBackend

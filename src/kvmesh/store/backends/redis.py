@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 
 from kvmesh.core.hashing import hex_key
 from kvmesh.errors import TierUnavailableError
-from kvmesh.store.backends.base import Backend, BackendStats
+from kvmesh.store.backends.base import Backend, BackendStats, ChunkData
 from kvmesh.store.keys import StoreKey
 
 _SCHEMES = {
@@ -145,13 +145,13 @@ class RedisBackend:
         replies = await self._pipeline("EXISTS", [("exists", (self._key(k),), {}) for k in keys])
         return [bool(r) for r in replies]
 
-    async def get_many(self, keys: Sequence[StoreKey]) -> list[bytes | None]:
+    async def get_many(self, keys: Sequence[StoreKey]) -> list[ChunkData | None]:
         if not keys:
             return []
         replies = await self._pipeline("GET", [("get", (self._key(k),), {}) for k in keys])
         return [r if isinstance(r, bytes) else None for r in replies]
 
-    async def put_many(self, items: Sequence[tuple[StoreKey, bytes]]) -> int:
+    async def put_many(self, items: Sequence[tuple[StoreKey, ChunkData]]) -> int:
         if not items:
             return 0
         extra = {} if self.ttl_ms is None else {"px": self.ttl_ms}
