@@ -11,7 +11,9 @@ tokens (real text) is used:
            the reader serves prefix' + question C  reader's device tier misses, the store hits
     local  reader serves prefix' + question D       reader's device tier hits
 
-TTFT is measured by a streaming client (first SSE chunk). Goals: store ≤ 1.3 × local, cold ≥ 4 × store.
+TTFT is measured by a streaming client (first SSE chunk). The reader's own account of each store load
+comes from its ``/metrics`` around the store request: ``store_fetch_s`` (lookup, tier reads, checksums)
+and ``store_to_device_s`` (the copy into the runner's memory at admission). Goals: store ≤ 1.3 × local, cold ≥ 4 × store.
 Ratios are reported both ways: from the medians of each column, and as the median of per-trial
 ratios (each trial's store and local requests run back to back on the same prefix, so slow drifts
 in machine load cancel out).
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -103,6 +106,17 @@ def passage(seed: int, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
+async def store_load_seconds(http: aiohttp.ClientSession, url: str) -> tuple[float, float]:
+    """The engine's running totals of store fetch and to-device seconds (``kvmesh:store_*_seconds``)."""
+    async with http.get(f"{url}/metrics") as r:
+        text = await r.text()
+    totals = {"kvmesh:store_fetch_seconds": 0.0, "kvmesh:store_to_device_seconds": 0.0}
+    for family in text_string_to_metric_families(text):
+        if family.name in totals:
+            totals[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return totals["kvmesh:store_fetch_seconds"], totals["kvmesh:store_to_device_seconds"]
+
+
 def count_chunks(root: Path) -> int:
     return sum(1 for p in root.rglob(f"*{SUFFIX}") if p.is_file()) if root.exists() else 0
 
@@ -140,13 +154,17 @@ async def measure(
         await wait_chunks(shared_dir, before + chunks)  # the reader's own write-back
         await timed_completion(http, writer.url, shared_prefix + question(q + 1), 1)
         await wait_chunks(shared_dir, before + 2 * chunks)
+        fetch_before, copy_before = await store_load_seconds(http, reader.url)
         from_store = await timed_completion(http, reader.url, shared_prefix + question(q + 2), 1)
+        fetch_after, copy_after = await store_load_seconds(http, reader.url)
         local = await timed_completion(http, reader.url, shared_prefix + question(q + 3), 1)
         rows.append(
             {
                 "cold_s": cold.ttft,
                 "store_s": from_store.ttft,
                 "local_s": local.ttft,
+                "store_fetch_s": fetch_after - fetch_before,
+                "store_to_device_s": copy_after - copy_before,
                 "store_cached_tokens": from_store.cached_tokens,
                 "local_cached_tokens": local.cached_tokens,
             }
@@ -157,7 +175,8 @@ async def measure(
 
 
 def summarize(prefix_len: int, rows: list[dict[str, float]]) -> dict[str, Any]:
-    med = {k: statistics.median(r[k] for r in rows) for k in ("cold_s", "store_s", "local_s")}
+    columns = ("cold_s", "store_s", "local_s", "store_fetch_s", "store_to_device_s")
+    med = {k: statistics.median(r[k] for r in rows) for k in columns}
     return {
         "prefix_len": prefix_len,
         "median_ttft_s": med,

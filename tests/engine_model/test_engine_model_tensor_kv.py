@@ -8,6 +8,7 @@ random Llama computes KV, two in-process engines share a store directory.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,12 @@ async def test_device_tier_and_store_serve_tensor_kv(engine: Callable[..., Any])
     loaded, cached = await complete(reader, PROMPT)
     assert cached == 512 and loaded == cold  # the store's two full chunks
     assert all(isinstance(a, torch.Tensor) for a in device_tier_arrays(reader))
+    stats = reader.core.stats
+    assert stats.num_store_loads == 1 and stats.store_fetch_seconds > 0 and stats.store_to_runner_seconds > 0
+    async with aiohttp.ClientSession() as http, http.get(f"{reader.url}/metrics") as r:
+        text = await r.text()
+    assert re.search(r"^kvmesh:store_loads_total\{[^}]*\} 1\.0$", text, re.M), text
+    assert "kvmesh:store_to_device_seconds_total" in text
 
 
 def test_device_ops_round_trip_the_store_form() -> None:

@@ -91,6 +91,17 @@ class _CoreCollector(Collector):
             "Store loads that failed and were recomputed.",
             stats.num_store_read_failures,
         )
+        yield counter("kvmesh:store_loads", "Prefixes loaded from the store.", stats.num_store_loads)
+        yield counter(
+            "kvmesh:store_fetch_seconds",
+            "Seconds spent looking up and reading the prefixes loaded from the store.",
+            stats.store_fetch_seconds,
+        )
+        yield counter(
+            "kvmesh:store_to_device_seconds",
+            "Seconds the engine loop spent handing loaded prefixes to the runner (device copies) at admission.",
+            stats.store_to_runner_seconds,
+        )
         yield counter(
             "kvmesh:kv_export_failures",
             "Computed KV the runner could not hand over (not cached).",

@@ -40,6 +40,12 @@ class EngineStats:
     num_store_writes: int = 0
     num_store_write_failures: int = 0
     num_store_read_failures: int = 0
+    num_store_loads: int = 0
+    """Prefixes loaded from the store (each timed below)."""
+    store_fetch_seconds: float = 0.0
+    """Time spent finding and reading loaded prefixes (lookup, tier reads, checksums)."""
+    store_to_runner_seconds: float = 0.0
+    """Time spent moving loaded prefixes into the runner's memory at admission."""
     num_kv_export_failures: int = 0
     """Computed KV that could not be copied out of the runner (not cached; the request went on)."""
     num_steps: int = 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from kvmesh.core.events import KVEvent
@@ -84,6 +85,7 @@ class StoreSync:
         probe = req.seq.token_ids[:limit_tokens]
         if len(probe) < self.store.chunk_size or local_tokens >= limit_tokens:
             return
+        start = time.perf_counter()
         try:
             stored = await self.store.lookup(probe, req.tenant)
             loaded = await self.store.retrieve(probe, req.tenant) if stored > local_tokens else None
@@ -108,6 +110,8 @@ class StoreSync:
                 return
         # Device memory is taken at admission (:meth:`to_runner`), not while the request waits.
         req.loaded = LoadedPrefix(num_tokens, None, loaded.tier, parts)
+        self.stats.num_store_loads += 1
+        self.stats.store_fetch_seconds += time.perf_counter() - start
 
     def to_runner(self, loaded: LoadedPrefix) -> KVArray | None:
         """A loaded prefix in the runner's form, its first ``num_tokens`` tokens; ``None`` (counted,
@@ -118,12 +122,14 @@ class StoreSync:
         """
         ops = self.runner.kv_ops
         parts = loaded.parts
+        start = time.perf_counter()
         try:
             kv = parts[0] if len(parts) == 1 and ops is NUMPY_KV else ops.join_host(parts)
         except Exception:
             self.stats.num_store_read_failures += 1
             logger.exception("moving a loaded prefix to the runner failed; recomputing")
             return None
+        self.stats.store_to_runner_seconds += time.perf_counter() - start
         return kv if kv.shape[3] == loaded.num_tokens else kv[:, :, :, : loaded.num_tokens]
 
     # ---------------------------------------------------------------- writes

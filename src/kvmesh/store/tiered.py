@@ -41,6 +41,8 @@ from kvmesh.store.metrics import StoreMetrics, TierCounters, TierSnapshot
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _DECODE_IN_THREAD_BYTES = 1 << 20
+VERIFY_THREADS = 4
+"""Threads that verify one long read (about 1 MiB of chunks each at least)."""
 _CLOSE_DRAIN_S = 5.0
 
 
@@ -300,20 +302,31 @@ class TieredStore:
     async def _verify(
         self, tier: Tier, keys: list[StoreKey], values: list[ChunkData | None]
     ) -> list[DecodedChunk | None]:
-        def run() -> list[DecodedChunk | BaseException | None]:
+        def run(part: range) -> list[DecodedChunk | BaseException | None]:
             out: list[DecodedChunk | BaseException | None] = []
-            for key, value in zip(keys, values, strict=True):
+            for i in part:
+                value = values[i]
                 if value is None:
                     out.append(None)
                     continue
                 try:
-                    out.append(self.codec.decode(value, expected=key))
+                    out.append(self.codec.decode(value, expected=keys[i]))
                 except CorruptChunkError as exc:
                     out.append(exc)
             return out
 
         total = sum(len(v) for v in values if v is not None)
-        results = await asyncio.to_thread(run) if total > _DECODE_IN_THREAD_BYTES else run()
+        if total <= _DECODE_IN_THREAD_BYTES:
+            results = run(range(len(values)))
+        else:
+            # Checksums release the GIL: a long prefix is verified on several threads (a mapped
+            # chunk's pages are faulted in by its checksum, in parallel too).
+            n = min(VERIFY_THREADS, len(values), max(1, total // _DECODE_IN_THREAD_BYTES))
+            step = -(-len(values) // n)
+            parts = [range(i, min(i + step, len(values))) for i in range(0, len(values), step)]
+            results = [
+                r for rs in await asyncio.gather(*(asyncio.to_thread(run, p) for p in parts)) for r in rs
+            ]
         corrupt: list[StoreKey] = []
         decoded: list[DecodedChunk | None] = []
         for key, result in zip(keys, results, strict=True):

@@ -76,16 +76,16 @@ def map_or_none(path: Path) -> memoryview | None:
     """A read-only view of the file's bytes, mapped rather than copied (``None``: no such file).
 
     Reading a chunk through a copy costs a fresh allocation per chunk, whose page faults cost more
-    than the copy itself; a mapping reads the page cache where it lies. ``MAP_POPULATE`` maps every
-    page in one call.
+    than the copy itself; a mapping reads the page cache where it lies. Pages are mapped as they are
+    first read (by the checksum, which the store runs on several threads): populating the mapping
+    up front serializes that work in the ``mmap`` call.
     """
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size == 0:
                 return memoryview(b"")
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            return memoryview(mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ))
+            return memoryview(mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
     except FileNotFoundError:
         return None
 

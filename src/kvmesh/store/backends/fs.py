@@ -67,7 +67,7 @@ class SharedDirBackend:
         return files.read_chunk(self._path(key), mapped=self.mapped)
 
     def _read_all(self, keys: Sequence[StoreKey]) -> list[ChunkData | None]:
-        if len(keys) < 2:
+        if self.mapped or len(keys) < 2:  # a mapping is made at once; its pages come later
             return [self._read_one(k) for k in keys]
         if self._readers is None:
             self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvmesh-fs-read")
