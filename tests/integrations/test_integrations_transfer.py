@@ -94,6 +94,26 @@ def test_partial_hit_loads_the_shared_prefix_after_the_local_hit(
     assert dst.stats.num_loaded_tokens == 48
 
 
+def test_a_span_starting_in_a_later_chunk_copies_only_what_it_covers(
+    bridges: tuple[StoreBridge, StoreBridge],
+) -> None:
+    a, b = bridges
+    src, dst = _transfer(PagedLayout.KV_FIRST, a), _transfer(PagedLayout.KV_FIRST, b, fill=5.0)
+    kv = request_kv(96, seed=8)
+    blocks = (0, 1, 2, 3, 4, 5)
+    write_request(src.layers, PagedLayout.KV_FIRST, blocks, BS, kv)
+    prompt = tuple(range(96))
+    assert src.save(SaveSpec("a", prompt, blocks, 0, 96, NS))  # three chunks
+    assert a.drain(10.0)
+    # the engine holds 48 tokens (chunk 0 and half of chunk 1): tokens 48..95 come from two chunks
+    dst_blocks = (11, 10, 9, 8, 7, 6)
+    assert dst.load(LoadSpec("b", prompt, dst_blocks, 48, 96, NS)) == set()
+    got = read_request(dst.layers, PagedLayout.KV_FIRST, dst_blocks, BS, 96)
+    assert torch.equal(bits(got[:, :, :, 48:]), bits(kv[:, :, :, 48:]))
+    assert bool((got[:, :, :, :48] == 5.0).all())
+    assert dst.stats.num_loaded_tokens == 48
+
+
 def test_save_after_skip_writes_only_later_chunks(bridges: tuple[StoreBridge, StoreBridge]) -> None:
     a, b = bridges
     src = _transfer(PagedLayout.KV_FIRST, a)

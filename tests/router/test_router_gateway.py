@@ -66,6 +66,8 @@ async def completion(client: TestClient, prompt: Any, headers: dict | None = Non
 async def test_precise_routing_follows_the_prefix(engines):
     es = await engines(3)
     async with gateway_client(es) as (gw, client):
+        # what each engine reports of itself reaches the scorers (the TTFT estimate's transfer size)
+        assert all(gw.pool.get(e.url).state.kv_bytes_per_token == 1024 for e in es)  # type: ignore[union-attr]
         resp, body = await completion(client, PROMPT)
         assert resp.status == 200
         holder = resp.headers[ENDPOINT_HEADER]
@@ -459,6 +461,7 @@ async def test_vllm_pod_without_info_uses_configured_event_endpoints(engines):
     }
     async with gateway_client([e], endpoints=[endpoint], model=MODEL, revision="") as (gw, client):
         assert gw.pool.get(e.url).info is None  # type: ignore[union-attr]
+        assert gw.pool.get(e.url).state.kv_bytes_per_token == 0  # type: ignore[union-attr]
         await completion(client, PROMPT)
         await wait_for(lambda: gw.applier is not None and gw.applier.num_blocks(e.url) == 10)  # type: ignore[arg-type]
         _, body = await completion(client, PROMPT)

@@ -223,6 +223,8 @@ def test_ttft_estimate_counts_queue_prefill_and_transfer():
     assert scorer.estimate(r, c) == pytest.approx((300 + 128) / 1000 / 0.8)
     scores = scorer.score(r, [a, b, c])
     assert scores[1] == 1.0 and scores[0] == pytest.approx(0.129 / 0.201)
+    # an engine that reports its KV size is priced at it, not at the configured one
+    assert scorer.estimate(r, EndpointState(B, kv_bytes_per_token=250_000)) == pytest.approx(0.032 + 0.001)
 
 
 def test_ttft_estimate_uses_the_learned_speed_within_bounds():

@@ -2,8 +2,9 @@
 
 A :class:`PagedKVTransfer` owns nothing but references: the engine's per-layer cache tensors and
 a :class:`~kvmesh.integrations.store_bridge.StoreBridge`. Loads block (bounded by the bridge's
-timeout) and write straight into the request's blocks; blocks the store could not fill are
-returned so the engine recomputes them. Saves copy the KV out of the blocks before returning, so
+timeout) and write straight into the request's blocks, chunk by chunk as the store read them (no
+joined copy in host memory; chunks before the span vLLM asks for are not copied at all); blocks the
+store could not fill are returned so the engine recomputes them. Saves copy the KV out of the blocks before returning, so
 the engine may reuse the blocks at once, and hand the copy to the bridge.
 """
 
@@ -57,10 +58,11 @@ class PagedKVTransfer:
         if spec.end <= spec.start:
             return set()
         bs = self.geometry.block_size
-        result = self.bridge.retrieve(spec.token_ids, spec.namespace, max_tokens=len(spec.token_ids))
-        got = 0
-        if result.kv is not None:
-            got = self._scatter_loaded(spec, result.kv)
+        result = self.bridge.retrieve(
+            spec.token_ids, spec.namespace, max_tokens=len(spec.token_ids), join=False
+        )
+        parts = result.parts if result.kv is None else (result.kv,)
+        got = self._scatter_loaded(spec, parts) if parts else 0
         if got < spec.end:
             self.stats.num_failed_load_tokens += spec.end - max(got, spec.start)
             first_bad = max(got, spec.start) // bs
@@ -68,22 +70,29 @@ class PagedKVTransfer:
             return set(spec.block_ids[first_bad : last + 1])
         return set()
 
-    def _scatter_loaded(self, spec: LoadSpec, kv: np.ndarray) -> int:
-        """Write what ``kv`` holds of the span; returns the tokens now valid from 0 (block-aligned
-        at a partial load, so a block is never half-written and reported as good)."""
+    def _scatter_loaded(self, spec: LoadSpec, parts: Sequence[np.ndarray]) -> int:
+        """Write what ``parts`` (consecutive chunks from token 0) hold of the span; returns the tokens
+        now valid from 0 (block-aligned at a partial load, so a block is never half-written and
+        reported as good)."""
         g = self.geometry
         want = (len(self.layers), 2, g.num_kv_heads, g.head_dim)
-        have = (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4])
-        if kv.ndim != 5 or have != want:
+        if any(p.ndim != 5 or (p.shape[0], p.shape[1], p.shape[2], p.shape[4]) != want for p in parts):
             return 0
-        end = min(kv.shape[3], spec.end)
+        end = min(sum(p.shape[3] for p in parts), spec.end)
         if end < spec.end:
             end -= end % g.block_size
         if end <= spec.start:
             return 0
-        values = from_store_array(kv[:, :, :, spec.start : end, :], g.dtype)
-        slots = token_slots(spec.block_ids, g.block_size, spec.start, end)
-        scatter(self.layers, g, slots, values)
+        first = 0
+        for part in parts:
+            last = first + part.shape[3]
+            lo, hi = max(first, spec.start), min(last, end)
+            if lo < hi:
+                values = from_store_array(part[:, :, :, lo - first : hi - first, :], g.dtype)
+                scatter(self.layers, g, token_slots(spec.block_ids, g.block_size, lo, hi), values)
+            if last >= end:
+                break
+            first = last
         self.stats.num_loaded_tokens += end - spec.start
         return end
 

@@ -148,11 +148,12 @@ class StoreBridge:
         return 0 if found is None else found
 
     def retrieve(
-        self, tokens: Sequence[int], namespace: Namespace, max_tokens: int | None = None
+        self, tokens: Sequence[int], namespace: Namespace, max_tokens: int | None = None, *, join: bool = True
     ) -> RetrieveResult:
-        """KV of the longest stored prefix (at most ``max_tokens``); a miss when it cannot load in time."""
+        """KV of the longest stored prefix (at most ``max_tokens``); a miss when it cannot load in time.
+        ``join=False``: the chunks as they were read (``parts``), not concatenated."""
         self.stats.num_retrieves += 1
-        future = self._submit(self.engine.retrieve(list(tokens), namespace, max_tokens))
+        future = self._submit(self.engine.retrieve(list(tokens), namespace, max_tokens, join=join))
         if future is None:
             return RetrieveResult.miss()
         result = self._wait(future, self.retrieve_timeout_s)

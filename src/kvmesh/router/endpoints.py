@@ -220,6 +220,8 @@ class EndpointPool:
         if not reachable:
             reachable = await self._check_once(pod)
         state = EndpointState(pod=pod, role=role, healthy=reachable)
+        if info is not None:
+            state.kv_bytes_per_token = info.kv_bytes_per_token
         endpoint = Endpoint(config=config, state=state, info=info)
         endpoint.events_endpoint = config.events_endpoint or (
             _reachable(info.events_endpoint, pod) if info is not None else None
@@ -339,6 +341,7 @@ class EndpointPool:
         if info is None:
             return
         endpoint.info = info
+        endpoint.state.kv_bytes_per_token = info.kv_bytes_per_token
         if endpoint.config.role is None and info.role in ("both", "prefill", "decode"):
             endpoint.state.role = Role.parse(info.role)
         events = _reachable(info.events_endpoint, pod)

@@ -277,7 +277,8 @@ class TTFTEstimateScorer:
       known, else ``1 / prefill_tokens_per_s``; a learned value is kept within ``max_learned_ratio``
       of that prior;
     - share: running decodes take one token each of every step's ``max_batched_tokens``;
-    - transfer: blocks cached in a tier move at that tier's GB/s (0: no transfer, the device itself).
+    - transfer: blocks cached in a tier move at that tier's GB/s (0: no transfer, the device itself),
+      at the KV bytes per token the endpoint reports (``kv_bytes_per_token`` where it reports none).
 
     A prefix's holder wins while its backlog costs less than recomputing the prefix elsewhere; once
     it is saturated, the next request for that prefix goes to where it finishes first and becomes a
@@ -308,6 +309,7 @@ class TTFTEstimateScorer:
         transfer = 0.0
         prefix = request.prefix
         cached = 0
+        bytes_per_token = endpoint.kv_bytes_per_token or self.kv_bytes_per_token
         if prefix is not None:
             match = prefix.match_of(endpoint.pod)
             if match is not None:
@@ -316,7 +318,7 @@ class TTFTEstimateScorer:
                     cached += tokens
                     gbps = self.tier_gbps.get(tier, 0.0)
                     if gbps > 0:
-                        transfer += tokens * self.kv_bytes_per_token / (gbps * 1e9)
+                        transfer += tokens * bytes_per_token / (gbps * 1e9)
         budget = self.max_batched_tokens
         share = max(budget - endpoint.running, budget * 0.1) / budget
         spt = self.seconds_per_token(endpoint) / share
@@ -341,7 +343,7 @@ DEFAULT_TIER_GBPS: dict[Medium, float] = {
     Medium.GPU: 0.0,
     Medium.CPU: 16.0,
     Medium.DISK: 2.0,
-    Medium.SHARED: 1.0,
+    Medium.SHARED: 10.0,
 }
 
 
