@@ -1,9 +1,12 @@
-"""File tiers map chunk files instead of copying them where the file system is local: the views
-read back right, outlive the file's removal or replacement, and the RAM tier keeps them uncopied."""
+"""File tiers map large chunk files instead of copying them where the file system is local: the
+views read back right, outlive the file's removal or replacement, hold no file descriptor, are
+unmapped with their last reference, and the RAM tier keeps them uncopied."""
 
 from __future__ import annotations
 
-import mmap
+import asyncio
+import gc
+import os
 from pathlib import Path
 
 import pytest
@@ -16,20 +19,53 @@ from kvmesh.store.backends.memory import MemoryBackend
 from kvmesh.store.config import StoreConfig, resolve_config
 from kvmesh.store.factory import build_tiers
 
+BIG = files.MAP_MIN_BYTES
+
 
 async def test_a_mapped_chunk_outlives_its_file_being_replaced_and_removed(tmp_path: Path) -> None:
     backend = SharedDirBackend(tmp_path, mapped=True)
     key = make_key(1)
-    await backend.put_many([(key, b"first" * 1000)])
+    first, second = b"a" * BIG, b"b" * (BIG + 7)
+    await backend.put_many([(key, first)])
     (view,) = await backend.get_many([key])
-    assert isinstance(view, memoryview) and view.readonly and isinstance(view.obj, mmap.mmap)
-    await backend.put_many([(key, b"second" * 1000)])  # a rename over the mapped file
-    assert bytes(view) == b"first" * 1000
-    assert await backend.get_many([key]) == [b"second" * 1000]
+    assert isinstance(view, memoryview) and files.is_mapping(view)
+    await backend.put_many([(key, second)])  # a rename over the mapped file
+    assert view == first
+    assert await backend.get_many([key]) == [second]
     await backend.delete_many([key])
-    assert bytes(view) == b"first" * 1000
+    assert view == first
     assert await backend.get_many([key]) == [None]
     await backend.aclose()
+
+
+async def test_mappings_hold_no_descriptor_and_go_with_their_last_view(tmp_path: Path) -> None:
+    backend = SharedDirBackend(tmp_path, mapped=True)
+    keys = [make_key(i) for i in range(40)]
+    await backend.put_many([(k, bytes([i]) * BIG) for i, k in enumerate(keys)])
+    gc.collect()
+    live_before = len(files._MAPPINGS)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    views = await backend.get_many(keys)
+    assert all(v is not None and files.is_mapping(v) for v in views)
+    assert len(os.listdir("/proc/self/fd")) <= fds_before + 1  # the read pool's threads may hold one
+    assert len(files._MAPPINGS) == live_before + 40
+    assert [v[0] if v is not None else None for v in views] == list(range(40))
+    del views
+    await asyncio.sleep(0)  # the executor future holding the batch lets go on the next loop turn
+    gc.collect()
+    assert len(files._MAPPINGS) == live_before  # unmapped
+
+
+async def test_small_files_and_refused_mappings_are_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = SharedDirBackend(tmp_path, mapped=True)
+    await backend.put_many([(make_key(1), b"small"), (make_key(2), b"x" * BIG)])
+    small, _ = await backend.get_many([make_key(1), make_key(2)])
+    assert isinstance(small, bytes) and small == b"small"
+    monkeypatch.setattr(files, "_LIBC", None)
+    (big,) = await backend.get_many([make_key(2)])
+    assert isinstance(big, bytes) and big == b"x" * BIG
 
 
 async def test_copied_reads_hand_out_bytes(tmp_path: Path) -> None:
@@ -49,11 +85,11 @@ async def test_an_empty_chunk_file_reads_as_empty(tmp_path: Path) -> None:
 
 
 async def test_the_ram_tier_keeps_mapped_views_and_copies_writable_buffers(tmp_path: Path) -> None:
-    disk = DiskBackend(tmp_path, 1 << 20, mapped=True)
-    await disk.put_many([(make_key(1), b"x" * 4096)])
+    disk = DiskBackend(tmp_path, 4 * BIG, mapped=True)
+    await disk.put_many([(make_key(1), b"x" * BIG)])
     (view,) = await disk.get_many([make_key(1)])
-    assert isinstance(view, memoryview)
-    ram = MemoryBackend(1 << 20)
+    assert isinstance(view, memoryview) and files.is_mapping(view)
+    ram = MemoryBackend(4 * BIG)
     buffer = bytearray(b"y" * 10)
     await ram.put_many([(make_key(1), view), (make_key(2), memoryview(buffer))])
     kept, copied = await ram.get_many([make_key(1), make_key(2)])

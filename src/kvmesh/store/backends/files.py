@@ -18,10 +18,12 @@ fault a mapped reader, so mapping is for file systems this host controls (:func:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import socket
 import uuid
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,20 +74,75 @@ def read_or_none(path: Path) -> bytes | None:
         return None
 
 
-def map_or_none(path: Path) -> memoryview | None:
-    """A read-only view of the file's bytes, mapped rather than copied (``None``: no such file).
+MAP_MIN_BYTES = 1 << 20
+"""Files smaller than this are copied: their allocation is cheap, and mappings are a bounded resource
+(``vm.max_map_count``, 65,530 by default), held for as long as a chunk is (the RAM tier keeps them)."""
+
+_MAPPINGS: weakref.WeakValueDictionary[int, ctypes.Array[ctypes.c_char]] = weakref.WeakValueDictionary()
+"""Live mappings by ``id`` (ctypes arrays are not hashable)."""
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _load_libc()
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map(fd: int, size: int) -> memoryview | None:
+    """A read-only mapping of ``size`` bytes of ``fd``, unmapped when the last view of it is gone;
+    ``None`` when the system refuses one (then the caller copies).
+
+    ``mmap.mmap`` keeps a duplicate of the file descriptor open for as long as the mapping lives
+    (before Python 3.13), so every chunk the RAM tier held would hold a descriptor too: the mapping
+    is made through libc and the descriptor closed at once.
+    """
+    if _LIBC is None:
+        return None
+    addr = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        return None
+    region = (ctypes.c_char * size).from_address(addr)
+    weakref.finalize(region, _LIBC.munmap, addr, size)
+    _MAPPINGS[id(region)] = region
+    return memoryview(region).cast("B").toreadonly()
+
+
+def is_mapping(value: bytes | memoryview) -> bool:
+    """Whether ``value`` is a view of a chunk file mapped by :func:`map_or_none` (read-only, and
+    never written in place: safe to keep without a copy)."""
+    return isinstance(value, memoryview) and value.readonly and _MAPPINGS.get(id(value.obj)) is value.obj
+
+
+def map_or_none(path: Path) -> bytes | memoryview | None:
+    """The file's bytes, mapped rather than copied where it is large (``None``: no such file).
 
     Reading a chunk through a copy costs a fresh allocation per chunk, whose page faults cost more
     than the copy itself; a mapping reads the page cache where it lies. Pages are mapped as they are
     first read (by the checksum, which the store runs on several threads): populating the mapping
-    up front serializes that work in the ``mmap`` call.
+    up front serializes that work in the ``mmap`` call. A file under :data:`MAP_MIN_BYTES`, or one
+    the system will not map, is copied.
     """
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                return memoryview(b"")
-            return memoryview(mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
+            view = _map(f.fileno(), size) if size >= MAP_MIN_BYTES else None
+            return view if view is not None else f.read()
     except FileNotFoundError:
         return None
 

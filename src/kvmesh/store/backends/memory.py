@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import mmap
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvmesh.store.backends import files
 from kvmesh.store.backends.base import Backend, BackendStats, ChunkData
 from kvmesh.store.keys import StoreKey
 
@@ -102,9 +102,7 @@ class MemoryBackend:
 
 
 def _immutable(value: ChunkData) -> bool:
-    return isinstance(value, bytes) or (
-        isinstance(value, memoryview) and value.readonly and isinstance(value.obj, (bytes, mmap.mmap))
-    )
+    return isinstance(value, bytes) or files.is_mapping(value)
 
 
 _check: type[Backend] = MemoryBackend
