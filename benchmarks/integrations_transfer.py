@@ -1,7 +1,8 @@
-"""Cost of the vLLM connector's save and load paths on CPU tensors, against a plain copy.
+"""Cost of the vLLM connector's save and load paths, against a plain copy.
 
     .venv/bin/python benchmarks/integrations_transfer.py [--tokens 1024] [--layers 32] [--heads 8]
-        [--head-dim 128] [--block-size 16] [--chunk-size 256] [--trials 5] [--store memory] [--json]
+        [--head-dim 128] [--block-size 16] [--chunk-size 256] [--trials 5] [--store memory|shared]
+        [--device cpu|cuda] [--json]
 
 A paged cache shaped like one Llama-3.1-8B worker (bf16, FlashAttention layout) holds one prompt
 in scattered blocks. Each trial, side by side on the same data:
@@ -12,8 +13,9 @@ in scattered blocks. Each trial, side by side on the same data:
     load   PagedKVTransfer.load into other blocks of a second cache: store retrieve + scatter
 
 and the loaded KV is checked bit for bit against the source. Reported: medians and each path as a
-multiple of ``copy``. CPU only: on a GPU the gather/scatter run on the device and a device↔host
-copy is added, which this does not measure.
+multiple of ``copy``. With ``--device cuda`` the paged caches live on the GPU (as vLLM's do): save
+adds the device→host copy, load the host→device one (page-locked staging), and ``copy`` is a
+device-memory clone.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ from kvmesh.integrations.store_bridge import StoreBridge
 from kvmesh.store.config import StoreConfig
 
 
-def _cache(layers: int, blocks: int, block_size: int, heads: int, head_dim: int) -> list[torch.Tensor]:
-    return [
-        torch.zeros((2, blocks, block_size, heads, head_dim), dtype=torch.bfloat16) for _ in range(layers)
-    ]
+def _cache(
+    layers: int, blocks: int, block_size: int, heads: int, head_dim: int, device: str
+) -> list[torch.Tensor]:
+    shape = (2, blocks, block_size, heads, head_dim)
+    return [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(layers)]
 
 
 def main() -> int:
@@ -52,15 +55,17 @@ def main() -> int:
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--store", default="memory", help="memory | shared (a temporary shared directory)")
+    parser.add_argument("--device", default="cpu", help="where the paged caches live: cpu | cuda")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     if args.tokens % args.chunk_size:
         parser.error("--tokens must be a multiple of --chunk-size")
 
     n_blocks = args.tokens // args.block_size
     total_blocks = 2 * n_blocks + 1
-    src_layers = _cache(args.layers, total_blocks, args.block_size, args.heads, args.head_dim)
-    dst_layers = _cache(args.layers, total_blocks, args.block_size, args.heads, args.head_dim)
+    src_layers = _cache(args.layers, total_blocks, args.block_size, args.heads, args.head_dim, args.device)
+    dst_layers = _cache(args.layers, total_blocks, args.block_size, args.heads, args.head_dim, args.device)
     geometry = detect_geometry(src_layers[0], args.block_size)
     assert geometry.layout is PagedLayout.KV_FIRST
     gen = torch.Generator().manual_seed(0)
@@ -68,6 +73,7 @@ def main() -> int:
     dst_blocks = tuple(torch.randperm(total_blocks, generator=gen)[:n_blocks].tolist())
     for layer in src_layers:
         layer.copy_(torch.randn(layer.shape, generator=gen).to(torch.bfloat16))
+    sync()
     slots = token_slots(src_blocks, args.block_size, 0, args.tokens)
     reference = gather(src_layers, geometry, slots)
     nbytes = reference.numel() * reference.element_size()
@@ -90,8 +96,10 @@ def main() -> int:
                 # shared: the reader loads from the directory; memory: the writer's own RAM tier
                 dst = PagedKVTransfer(dst_layers, geometry, reader if args.store == "shared" else writer)
 
+                sync()
                 t0 = time.perf_counter()
                 reference.clone()
+                sync()
                 rows["copy"].append(time.perf_counter() - t0)
 
                 t0 = time.perf_counter()
@@ -101,6 +109,7 @@ def main() -> int:
 
                 t0 = time.perf_counter()
                 failed = dst.load(LoadSpec("r", prompt, dst_blocks, 0, args.tokens, ns))
+                sync()
                 rows["load"].append(time.perf_counter() - t0)
                 assert not failed, f"load missed blocks {sorted(failed)[:5]}"
                 loaded = gather(
@@ -115,6 +124,7 @@ def main() -> int:
         "heads": args.heads,
         "head_dim": args.head_dim,
         "store": args.store,
+        "device": args.device,
         "kv_mib": nbytes / 2**20,
         "trials": args.trials,
         "median_s": medians,
@@ -124,7 +134,8 @@ def main() -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    table = Table(title=f"{args.tokens} tokens, {nbytes / 2**20:.0f} MiB of bf16 KV, store={args.store}")
+    title = f"{args.tokens} tokens, {nbytes / 2**20:.0f} MiB of bf16 KV, store={args.store}, {args.device}"
+    table = Table(title=title)
     for col in ("path", "median ms", "GiB/s", "× copy"):
         table.add_column(col, justify="right")
     for name in ("copy", "save", "load"):

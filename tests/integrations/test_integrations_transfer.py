@@ -3,6 +3,7 @@ real store (RAM + shared directory), across layouts, block ids and partial hits.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 from integrations_helpers import bits, paged_cache, read_request, request_kv, write_request
 
 from kvmesh.core.hashing import Namespace
+from kvmesh.integrations import paged_transfer
 from kvmesh.integrations.paged_kv import PagedLayout, detect_geometry
 from kvmesh.integrations.paged_transfer import PagedKVTransfer
 from kvmesh.integrations.request_tracker import LoadSpec, SaveSpec
@@ -168,3 +170,31 @@ def test_load_of_a_differently_shaped_chunk_is_a_miss(bridges: tuple[StoreBridge
     narrow = _transfer(PagedLayout.KV_FIRST, b, fill=5.0)
     assert narrow.load(LoadSpec("r", prompt[:32], (2, 3), 0, 32, NS)) == {2, 3}
     assert bool((torch.stack(narrow.layers) == 5.0).all())
+
+
+DEVICES = ["cpu", "cuda"] if os.environ.get("KVMESH_TEST_DEVICE") == "cuda" else ["cpu"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_load_in_several_batches_is_bit_identical(
+    bridges: tuple[StoreBridge, StoreBridge], monkeypatch: pytest.MonkeyPatch, device: str
+) -> None:
+    """Loaded chunks are staged a bounded number of bytes at a time (on CUDA through page-locked
+    buffers, ``KVMESH_TEST_DEVICE=cuda``): every batch lands in the right blocks."""
+    a, b = bridges
+    src = _transfer(PagedLayout.KV_FIRST, a)
+    kv = request_kv(96, seed=9)
+    blocks = (0, 1, 2, 3, 4, 5)
+    write_request(src.layers, PagedLayout.KV_FIRST, blocks, BS, kv)
+    prompt = tuple(range(500, 596))
+    assert src.save(SaveSpec("a", prompt, blocks, 0, 96, NS))
+    assert a.drain(10.0)
+    layers = [layer.to(device) for layer in paged_cache(PagedLayout.KV_FIRST, fill=5.0)]
+    dst = PagedKVTransfer(layers, detect_geometry(layers[0], BS), b)
+    chunk_bytes = 3 * 2 * 2 * 32 * 8 * 2  # layers × K/V × heads × chunk tokens × head dim × bf16
+    monkeypatch.setattr(paged_transfer, "LOAD_BATCH_BYTES", chunk_bytes)  # one chunk per batch
+    dst_blocks = (11, 10, 9, 8, 7, 6)
+    assert dst.load(LoadSpec("b", prompt, dst_blocks, 16, 96, NS)) == set()
+    got = read_request([layer.cpu() for layer in layers], PagedLayout.KV_FIRST, dst_blocks, BS, 96)
+    assert torch.equal(bits(got[:, :, :, 16:]), bits(kv[:, :, :, 16:]))
+    assert bool((got[:, :, :, :16] == 5.0).all())

@@ -41,7 +41,7 @@ import torch
 
 from kvmesh.core.models import resolve_model
 from kvmesh.core.tokens import Tokenizer
-from kvmesh.core.torch_kv import from_store_array, store_dtype_name, to_store_array
+from kvmesh.core.torch_kv import PinnedStager, from_store_array, store_dtype_name, to_store_array
 from kvmesh.engine.runner import (
     NUMPY_KV,
     KVArray,
@@ -73,20 +73,21 @@ class DeviceKVOps:
     Args:
         device: where the KV lives.
         dtype: the model's KV dtype.
-        staged: copy store chunks to a CUDA device through two reused page-locked buffers on a
-            stream of its own (the host copy into one buffer overlaps the DMA out of the other)
-            rather than straight from pageable memory; default: on CUDA devices.
+        staged: copy store chunks to a CUDA device through page-locked buffers on a copy stream
+            (:class:`~kvmesh.core.torch_kv.PinnedStager`) rather than straight from pageable
+            memory; default: on CUDA devices.
     """
 
     def __init__(self, device: torch.device, dtype: torch.dtype, *, staged: bool | None = None) -> None:
         self.device = device
         self.dtype = dtype
-        self.staged = device.type == "cuda" if staged is None else staged
-        if self.staged and device.type != "cuda":
-            raise ValueError(f"staged copies need a CUDA device, got {device}")
-        self._stream: torch.cuda.Stream | None = None
-        self._buffers: list[torch.Tensor] = []
-        self._done: list[torch.cuda.Event] = []
+        if staged is None:
+            staged = device.type == "cuda"
+        self._stager = PinnedStager(device) if staged else None
+
+    @property
+    def staged(self) -> bool:
+        return self._stager is not None
 
     def copy(self, kv: KVArray) -> KVArray:
         return kv.clone(memory_format=torch.contiguous_format)
@@ -108,42 +109,17 @@ class DeviceKVOps:
         first = parts[0]
         shape = (*first.shape[:3], sum(p.shape[3] for p in parts), first.shape[4])
         out = torch.empty(shape, dtype=self.dtype, device=self.device)
-        if self.staged:
-            self._copy_staged(parts, out)
-            return out
+        slices = []
         start = 0
         for part in parts:
-            end = start + part.shape[3]
-            out[:, :, :, start:end].copy_(from_store_array(part, self.dtype))
-            start = end
+            slices.append(out[:, :, :, start : start + part.shape[3]])
+            start += part.shape[3]
+        if self._stager is not None:
+            self._stager.copy(parts, slices)
+            return out
+        for part, dest in zip(parts, slices, strict=True):
+            dest.copy_(from_store_array(part, self.dtype))
         return out
-
-    def _copy_staged(self, parts: Sequence_[np.ndarray], out: torch.Tensor) -> None:
-        largest = max(p.nbytes for p in parts)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-            self._done = [torch.cuda.Event(), torch.cuda.Event()]
-        if not self._buffers or self._buffers[0].numel() < largest:
-            for event in self._done:
-                event.synchronize()
-            self._buffers = [torch.empty(largest, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        stream = self._stream
-        current = torch.cuda.current_stream(self.device)
-        stream.wait_stream(current)  # ``out`` was allocated on the current stream
-        start = 0
-        with torch.cuda.stream(stream):
-            for n, part in enumerate(parts):
-                slot = n % 2
-                self._done[slot].synchronize()  # the DMA out of this buffer has finished
-                host = from_store_array(part, self.dtype)
-                staged = self._buffers[slot][: part.nbytes].view(self.dtype).view(host.shape)
-                staged.copy_(host)
-                end = start + part.shape[3]
-                out[:, :, :, start:end].copy_(staged, non_blocking=True)
-                self._done[slot].record(stream)
-                start = end
-        current.wait_stream(stream)
-        out.record_stream(stream)
 
 
 @dataclass(slots=True)

@@ -3,24 +3,44 @@
 A :class:`PagedKVTransfer` owns nothing but references: the engine's per-layer cache tensors and
 a :class:`~kvmesh.integrations.store_bridge.StoreBridge`. Loads block (bounded by the bridge's
 timeout) and write straight into the request's blocks, chunk by chunk as the store read them (no
-joined copy in host memory; chunks before the span vLLM asks for are not copied at all); blocks the
-store could not fill are returned so the engine recomputes them. Saves copy the KV out of the blocks before returning, so
+joined copy in host memory; chunks before the span vLLM asks for are not copied at all; on a CUDA
+cache through page-locked buffers, :class:`~kvmesh.core.torch_kv.PinnedStager`); blocks the store
+could not fill are returned so the engine recomputes them. Saves copy the KV out of the blocks before returning, so
 the engine may reuse the blocks at once, and hand the copy to the bridge.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvmesh.core.torch_kv import from_store_array, to_store_array
+from kvmesh.core.torch_kv import PinnedStager, from_store_array, to_store_array
 from kvmesh.integrations.paged_kv import PagedGeometry, gather, scatter, token_slots
 from kvmesh.integrations.request_tracker import LoadSpec, SaveSpec
 from kvmesh.integrations.store_bridge import StoreBridge
 from kvmesh.store.cache_engine import PrefixWritten
+
+LOAD_BATCH_BYTES = 256 << 20
+"""Loaded chunks staged on the device at once before they are scattered into their blocks: the
+rest of the device belongs to the engine's own cache."""
+
+
+def _batches(
+    pieces: list[tuple[int, int, np.ndarray]], max_bytes: int
+) -> Iterator[list[tuple[int, int, np.ndarray]]]:
+    batch: list[tuple[int, int, np.ndarray]] = []
+    size = 0
+    for piece in pieces:
+        if batch and size + piece[2].nbytes > max_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append(piece)
+        size += piece[2].nbytes
+    if batch:
+        yield batch
 
 
 @dataclass(slots=True)
@@ -47,6 +67,8 @@ class PagedKVTransfer:
         self.geometry = geometry
         self.bridge = bridge
         self.stats = TransferStats()
+        device = self.layers[0].device if self.layers else torch.device("cpu")
+        self._stager = PinnedStager(device) if device.type == "cuda" else None
 
     def load(self, spec: LoadSpec) -> set[int]:
         """Fill tokens ``spec.start..spec.end-1`` from the store.
@@ -83,16 +105,25 @@ class PagedKVTransfer:
             end -= end % g.block_size
         if end <= spec.start:
             return 0
+        pieces: list[tuple[int, int, np.ndarray]] = []
         first = 0
         for part in parts:
             last = first + part.shape[3]
             lo, hi = max(first, spec.start), min(last, end)
             if lo < hi:
-                values = from_store_array(part[:, :, :, lo - first : hi - first, :], g.dtype)
-                scatter(self.layers, g, token_slots(spec.block_ids, g.block_size, lo, hi), values)
+                pieces.append((lo, hi, part[:, :, :, lo - first : hi - first, :]))
             if last >= end:
                 break
             first = last
+        for batch in _batches(pieces, LOAD_BATCH_BYTES):
+            if self._stager is not None:
+                device = self.layers[0].device
+                values = [torch.empty(p.shape, dtype=g.dtype, device=device) for _, _, p in batch]
+                self._stager.copy([p for _, _, p in batch], values)
+            else:
+                values = [from_store_array(p, g.dtype) for _, _, p in batch]
+            for (lo, hi, _), piece in zip(batch, values, strict=True):
+                scatter(self.layers, g, token_slots(spec.block_ids, g.block_size, lo, hi), piece)
         self.stats.num_loaded_tokens += end - spec.start
         return end
 
