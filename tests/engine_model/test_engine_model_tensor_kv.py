@@ -165,7 +165,15 @@ def test_staged_copies_equal_direct_ones_across_buffer_reuse_and_growth() -> Non
     for chunk in (16, 32, 16):  # the buffers grow for 32-token chunks, then are reused as they are
         kv = torch.randn(2, 2, 3, chunk * 5, 8).to(torch.bfloat16)
         host = staged.to_host(kv)
-        parts = [host[:, :, :, s : s + chunk].copy() for s in range(0, chunk * 5, chunk)]
+        # as a tier hands them out: read-only views of the bytes read (one of them not contiguous)
+        parts = [
+            np.frombuffer(host[:, :, :, s : s + chunk].tobytes(), np.uint16).reshape(2, 2, 3, chunk, 8)
+            for s in range(0, chunk * 5, chunk)
+        ]
+        parts[2] = np.frombuffer(host.tobytes(), np.uint16).reshape(host.shape)[
+            :, :, :, 2 * chunk : 3 * chunk
+        ]
+        assert not parts[2].flags.writeable and not parts[2].flags.c_contiguous
         joined = staged.join_host(parts)
         assert torch.equal(joined, direct.join_host(parts))
         assert torch.equal(joined.cpu(), kv)

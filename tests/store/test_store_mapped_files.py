@@ -1,6 +1,7 @@
-"""File tiers map large chunk files instead of copying them where the file system is local: the
-views read back right, outlive the file's removal or replacement, hold no file descriptor, are
-unmapped with their last reference, and the RAM tier keeps them uncopied."""
+"""File tiers map large chunk files instead of copying them (by default where the directory is
+memory-backed): the views read back right, outlive the file's removal or replacement, hold no file
+descriptor and are unmapped with their last reference; the RAM tier keeps copies, never mappings;
+the mount table tells a memory-backed directory."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ import os
 from pathlib import Path
 
 import pytest
-from store_helpers import make_key
+from store_helpers import make_chunk, make_key
 
 from kvmesh.store.backends import files
 from kvmesh.store.backends.disk import DiskBackend
 from kvmesh.store.backends.fs import SharedDirBackend
 from kvmesh.store.backends.memory import MemoryBackend
+from kvmesh.store.codec import ChunkCodec
 from kvmesh.store.config import StoreConfig, resolve_config
 from kvmesh.store.factory import build_tiers
+from kvmesh.store.tiered import Tier, TieredStore
 
 BIG = files.MAP_MIN_BYTES
 
@@ -84,38 +87,91 @@ async def test_an_empty_chunk_file_reads_as_empty(tmp_path: Path) -> None:
     assert await backend.get_many([key]) == [b""]
 
 
-async def test_the_ram_tier_keeps_mapped_views_and_copies_writable_buffers(tmp_path: Path) -> None:
-    disk = DiskBackend(tmp_path, 4 * BIG, mapped=True)
-    await disk.put_many([(make_key(1), b"x" * BIG)])
-    (view,) = await disk.get_many([make_key(1)])
-    assert isinstance(view, memoryview) and files.is_mapping(view)
-    ram = MemoryBackend(4 * BIG)
+async def test_the_ram_tier_keeps_its_own_copy_of_a_mapped_chunk(tmp_path: Path) -> None:
+    """A chunk read through a mapping is promoted into the RAM tier as a copy, made off the read
+    path: the RAM tier never keeps a mapping (it would pin the file's pages and disk space)."""
+    shared = SharedDirBackend(tmp_path, mapped=True)
+    key = make_key(1)
+    chunk = make_chunk(key, tokens=BIG // 64)  # 1 x 2 x 2 x T x 8 float32: just over 1 MiB
+    await shared.put_many([(key, chunk)])
+    ram = MemoryBackend(16 * BIG)
+    store = TieredStore([Tier("cpu", ram), Tier("fs", shared, queued=True)], ChunkCodec())
+    gc.collect()
+    live_before = len(files._MAPPINGS)
+    found = await store.get_prefix([key])
+    assert found.num_chunks == 1 and files.is_mapping(found.chunks[0].data)
+    await store.drain()
+    (kept,) = await ram.get_many([key])
+    assert isinstance(kept, bytes) and kept == chunk
+    del found
+    await asyncio.sleep(0)
+    gc.collect()
+    assert len(files._MAPPINGS) == live_before  # nothing holds the mapping any more
+    await store.aclose()
+
+
+async def test_the_ram_tier_copies_views(tmp_path: Path) -> None:
+    ram = MemoryBackend(1 << 20)
     buffer = bytearray(b"y" * 10)
-    await ram.put_many([(make_key(1), view), (make_key(2), memoryview(buffer))])
-    kept, copied = await ram.get_many([make_key(1), make_key(2)])
-    assert kept is view
+    await ram.put_many([(make_key(2), memoryview(buffer))])
     buffer[0] = ord("z")
-    assert copied == b"y" * 10
+    assert await ram.get_many([make_key(2)]) == [b"y" * 10]
 
 
-def test_file_system_types_come_from_the_mount_table(tmp_path: Path) -> None:
+MOUNTINFO = r"""22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw
+25 22 0:21 / /dev/shm rw,nosuid,nodev shared:3 - tmpfs tmpfs rw
+31 22 0:40 / /mnt/nfs rw,relatime shared:9 - nfs4 server:/export rw,vers=4.2
+32 31 0:41 / /mnt/nfs/scratch rw shared:10 - tmpfs tmpfs rw
+33 22 0:42 / /mnt/with\040space rw - tmpfs tmpfs rw
+34 22 0:43 / /mnt/tab\011dir rw - nfs server:/x rw
+35 22 0:44 / /mnt/stacked rw - ext4 /dev/vdb rw
+36 35 0:45 / /mnt/stacked rw - tmpfs tmpfs rw
+garbage line without a separator
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "fs_type"),
+    [
+        ("/var/cache/kvmesh", "ext4"),
+        ("/dev/shm/kvmesh", "tmpfs"),
+        ("/dev/shmx", "ext4"),  # a prefix of the name is not the mount point
+        ("/mnt/nfs/fleet", "nfs4"),
+        ("/mnt/nfs/scratch/a", "tmpfs"),  # the longest mount point wins
+        ("/mnt/with space/a", "tmpfs"),  # \040 is a space
+        ("/mnt/tab\tdir/a", "nfs"),  # every octal escape is decoded
+        ("/mnt/stacked/a", "tmpfs"),  # of stacked mounts, the later one is on top
+    ],
+)
+def test_file_system_types_come_from_the_mount_table(path: str, fs_type: str) -> None:
+    assert files.filesystem_type(Path(path), MOUNTINFO) == fs_type
+    assert files.is_memory_fs(Path(path), MOUNTINFO) is (fs_type == "tmpfs")
+
+
+def test_the_live_mount_table_is_read() -> None:
     if not Path("/proc/self/mountinfo").exists():
         pytest.skip("no /proc/self/mountinfo")
     assert files.filesystem_type(Path("/proc/self")) == "proc"
-    assert not files.is_network_fs(Path("/proc/self"))
-    assert files.filesystem_type(tmp_path) is not None
+    assert files.filesystem_type(Path("/nonexistent"), "") is None
 
 
 def test_mapping_follows_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    config = StoreConfig(
-        local_disk=str(tmp_path / "d"), max_local_disk_size=1, shared_dir=str(tmp_path / "s")
-    )
-    tiers = {t.name: t.backend for t in build_tiers(config)}
-    disk, shared = tiers["disk"], tiers["fs"]
-    assert isinstance(disk, DiskBackend) and isinstance(shared, SharedDirBackend)
-    expected = not files.is_network_fs(tmp_path)
-    assert disk.mapped is expected and shared.mapped is expected
+    def mapped(config: StoreConfig) -> dict[str, bool]:
+        out = {}
+        for tier in build_tiers(config):
+            backend = tier.backend
+            if isinstance(backend, (DiskBackend, SharedDirBackend)):
+                out[tier.name] = backend.mapped
+        return out
+
+    dirs = {"local_disk": str(tmp_path / "d"), "max_local_disk_size": 1.0, "shared_dir": str(tmp_path / "s")}
+    assert mapped(StoreConfig(**dirs, mmap_reads=True)) == {"disk": True, "fs": True}
+    assert mapped(StoreConfig(**dirs, mmap_reads=False)) == {"disk": False, "fs": False}
+    on_memory = files.is_memory_fs(tmp_path)
+    assert mapped(StoreConfig(**dirs)) == {"disk": on_memory, "fs": on_memory}
+    if Path("/dev/shm").is_dir() and files.is_memory_fs(Path("/dev/shm")):
+        shm = StoreConfig(shared_dir="/dev/shm/kvmesh-test-never-created")
+        assert mapped(shm) == {"fs": True}
     monkeypatch.setenv("KVMESH_MMAP_READS", "false")
     resolved = resolve_config(f"file://{tmp_path / 's'}")
-    assert resolved.mmap_reads is False
-    assert not any(getattr(t.backend, "mapped", False) for t in build_tiers(resolved))
+    assert resolved.mmap_reads is False and mapped(resolved) == {"fs": False}

@@ -174,6 +174,21 @@ async def test_corruption_in_every_tier_is_never_served(
     await store.aclose()
 
 
+async def test_a_long_read_is_verified_on_several_threads_in_order() -> None:
+    """Over 1 MiB of chunks is checked on worker threads in slices: results keep the keys' order,
+    and a corrupt chunk in the middle of a slice still ends the prefix there."""
+    keys = [make_key(i) for i in range(13)]
+    items = [(k, make_chunk(k, tokens=8192, seed=n)) for n, k in enumerate(keys)]  # 512 KiB each
+    store, fast, _ = two_tier()
+    await fast.put_many(items)
+    result = await store.get_prefix(keys)
+    assert [c.chunk.header.key for c in result.chunks] == [k.chunk for k in keys]
+    await fast.put_many([(keys[7], corrupt_bytes(items[7][1], "flip"))])
+    result = await store.get_prefix(keys)
+    assert result.num_chunks == 7 and store.tiers[0].counters.corrupt == 1
+    await store.aclose()
+
+
 async def test_flush_by_group_and_stats() -> None:
     store, _, _ = two_tier()
     other = StoreKey("00000000000000bb", KEYS[0].chunk)

@@ -116,14 +116,16 @@ class PinnedStager:
         stream = self._stream
         current = torch.cuda.current_stream(self.device)
         stream.wait_stream(current)  # the destinations may have been allocated on the current stream
-        with torch.cuda.stream(stream):
-            for n, (array, dest) in enumerate(zip(arrays, dests, strict=True)):
-                slot = n % 2
-                self._done[slot].synchronize()  # the DMA out of this buffer has finished
-                host = from_store_array(array, dest.dtype)
-                staged = self._buffers[slot][: array.nbytes].view(dest.dtype).view(host.shape)
-                staged.copy_(host)
-                dest.copy_(staged, non_blocking=True)
-                self._done[slot].record(stream)
-                dest.record_stream(stream)
-        current.wait_stream(stream)
+        try:
+            with torch.cuda.stream(stream):
+                for n, (array, dest) in enumerate(zip(arrays, dests, strict=True)):
+                    slot = n % 2
+                    self._done[slot].synchronize()  # the DMA out of this buffer has finished
+                    host = from_store_array(array, dest.dtype)
+                    staged = self._buffers[slot][: array.nbytes].view(dest.dtype).view(host.shape)
+                    staged.copy_(host)
+                    dest.copy_(staged, non_blocking=True)
+                    self._done[slot].record(stream)
+                    dest.record_stream(stream)
+        finally:
+            current.wait_stream(stream)  # copies queued before a failure are ordered all the same

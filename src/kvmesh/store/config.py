@@ -87,9 +87,10 @@ class StoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     disk_fsync: bool = False
     mmap_reads: bool | None = None
     """Map chunk files of the disk and shared-directory tiers rather than copy them; default (unset):
-    unless the directory is on a network file system, where another host could truncate a file
-    under the mapping. A copy costs a fresh allocation per chunk, whose page faults make it several
-    times slower than the mapping."""
+    where the directory is memory-backed (tmpfs such as ``/dev/shm``). A copy costs a fresh
+    allocation per chunk, whose page faults make it several times slower than the mapping; but a
+    disk's I/O error, or a file truncated in place by another program, under a mapping is a
+    ``SIGBUS`` that ends the process, where a copying read is a miss."""
     ignored_keys: list[str] = msgspec.field(default_factory=list)
     """Keys of the source file that kvmesh does not use (LMCache options without a kvmesh meaning)."""
 

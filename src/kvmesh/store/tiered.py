@@ -102,6 +102,8 @@ class _WriteOp:
     vouch: list[StoreKey] = field(default_factory=list)
     """For "put" with ``on_written``: keys not written whose presence the report should confirm
     (checked in the same ``exists`` call; only those present are reported)."""
+    copy: bool = False
+    """Copy the values into ``bytes`` on a worker thread before writing (mapped chunk files)."""
 
     @property
     def num_bytes(self) -> int:
@@ -352,8 +354,14 @@ class TieredStore:
             tier.counters.promotions += len(items)
             if tier.queued:
                 self._enqueue(tier, _WriteOp("promote", items=items))
-            else:
+            elif all(isinstance(v, bytes) for _, v in items):
                 await self._write(tier, _WriteOp("promote", items=items))
+            else:
+                # Mapped chunk files: an inline tier (RAM) keeps its own copy, made on a worker
+                # thread behind the tier's queue, off the request's path. A mapping is never kept:
+                # it would pin the file's pages and disk space, and count against the process's
+                # mappings, for as long as the entry lives.
+                self._enqueue(tier, _WriteOp("promote", items=items, copy=True))
 
     # ----------------------------------------------------------------- writes
 
@@ -428,6 +436,8 @@ class TieredStore:
                 if op is not None:
                     tier.queue_bytes -= op.num_bytes
                 queue.task_done()
+            # Not held while waiting for the next write: its chunks may map files.
+            del op
 
     async def _write(self, tier: Tier, op: _WriteOp) -> None:
         backend = tier.backend
@@ -435,6 +445,8 @@ class TieredStore:
             await self._call(tier, "delete", partial(backend.delete_many, op.keys))
             return
         items = op.items
+        if op.copy:
+            items = await asyncio.to_thread(_copied, items)
         held: list[StoreKey] = []
         if op.kind == "put":
             checked = [k for k, _ in items] + op.vouch
@@ -540,6 +552,10 @@ class TieredStore:
                     await tier._worker
                 tier._worker = None
             await tier.backend.aclose()
+
+
+def _copied(items: list[tuple[StoreKey, ChunkData]]) -> list[tuple[StoreKey, ChunkData]]:
+    return [(key, value if isinstance(value, bytes) else bytes(value)) for key, value in items]
 
 
 def _maybe_report(tier: Tier, op: _WriteOp, keys: list[StoreKey]) -> None:

@@ -36,8 +36,8 @@ class DiskBackend:
             :class:`~kvmesh.store.backends.fs.SharedDirBackend` for a directory shared by many.
         capacity_bytes: byte budget for chunk files (> 0).
         fsync: fsync each file before it is renamed into place (durable across power loss).
-        mapped: map chunk files rather than copy them (see :func:`files.map_or_none`); default:
-            unless the directory is on a network file system.
+        mapped: map chunk files rather than copy them (:func:`files.map_or_none`); default: where
+            the directory is memory-backed (a disk's I/O error under a mapping ends the process).
     """
 
     kind = "disk"
@@ -55,7 +55,7 @@ class DiskBackend:
         self.root = Path(root)
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
-        self.mapped = not files.is_network_fs(self.root) if mapped is None else mapped
+        self.mapped = files.is_memory_fs(self.root) if mapped is None else mapped
         self.num_evictions = 0
         self._index: OrderedDict[StoreKey, int] = OrderedDict()
         self._num_bytes = 0

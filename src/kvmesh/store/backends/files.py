@@ -11,8 +11,11 @@ what its checksum proves; a torn or truncated file is caught by the codec.
 
 Chunk files are never changed in place (written once, replaced by a rename, removed by an unlink),
 so a reader may map one instead of copying it (:func:`map_or_none`): the mapping keeps the file's
-pages even after it is replaced or removed. Only a file truncated in place by something else would
-fault a mapped reader, so mapping is for file systems this host controls (:func:`is_network_fs`).
+pages even after it is replaced or removed. A read through a mapping cannot fail softly, though: a
+file truncated in place by something else, or an I/O error of the disk under it, is a ``SIGBUS``
+that ends the process, where a copying read raises an error the store turns into a miss. Mapping is
+therefore the default only on memory-backed file systems (:func:`is_memory_fs`: ``/dev/shm``, the
+common home of one host's shared directory), whose pages have no disk to fail.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import re
 import socket
 import uuid
 import weakref
@@ -118,7 +122,9 @@ def _map(fd: int, size: int) -> memoryview | None:
     if addr is None or addr == _MAP_FAILED:
         return None
     region = (ctypes.c_char * size).from_address(addr)
-    weakref.finalize(region, _LIBC.munmap, addr, size)
+    # Not at interpreter exit: daemon threads may still read the mapping then; the system unmaps
+    # everything when the process ends.
+    weakref.finalize(region, _LIBC.munmap, addr, size).atexit = False
     _MAPPINGS[id(region)] = region
     return memoryview(region).cast("B").toreadonly()
 
@@ -147,50 +153,36 @@ def map_or_none(path: Path) -> bytes | memoryview | None:
         return None
 
 
-_NETWORK_FS = (
-    "nfs",
-    "nfs4",
-    "cifs",
-    "smb3",
-    "smbfs",
-    "lustre",
-    "ceph",
-    "gpfs",
-    "9p",
-    "glusterfs",
-    "beegfs",
-    "afs",
-    "ocfs2",
-    "gfs2",
-    "virtiofs",
-)
+_MEMORY_FS = ("tmpfs", "ramfs", "hugetlbfs")
+_MOUNTINFO_ESCAPE = re.compile(r"\\([0-7]{3})")
 
 
-def filesystem_type(path: Path) -> str | None:
-    """The type of the file system holding ``path`` (Linux ``/proc/self/mountinfo``; ``None``
-    where that cannot be read)."""
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return None
+def filesystem_type(path: Path, mountinfo: str | None = None) -> str | None:
+    """The type of the file system holding ``path``, from Linux's ``/proc/self/mountinfo`` (or the
+    ``mountinfo`` text given); ``None`` where that cannot be read or nothing matches."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return None
     target = os.path.realpath(path)
     best, best_type = "", None
-    for line in lines:
+    for line in mountinfo.splitlines():
         left, sep, right = line.partition(" - ")
         fields = left.split()
-        if not sep or len(fields) < 5 or not right:
+        if not sep or len(fields) < 5 or not right.split():
             continue
-        mount_point = fields[4].replace("\\040", " ")
+        mount_point = _MOUNTINFO_ESCAPE.sub(lambda m: chr(int(m[1], 8)), fields[4])
         inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+        # ">=": of stacked mounts on one point, the later line is the one on top
         if inside and len(mount_point) >= len(best):
             best, best_type = mount_point, right.split()[0]
     return best_type
 
 
-def is_network_fs(path: Path) -> bool:
-    """Whether ``path`` lies on a network or cluster file system (or one that cannot be told)."""
-    fs_type = filesystem_type(path)
-    return fs_type is None or fs_type.startswith("fuse") or fs_type in _NETWORK_FS
+def is_memory_fs(path: Path, mountinfo: str | None = None) -> bool:
+    """Whether ``path`` lies on a memory-backed file system (tmpfs, ramfs, hugetlbfs)."""
+    return filesystem_type(path, mountinfo) in _MEMORY_FS
 
 
 def read_chunk(path: Path, *, mapped: bool) -> bytes | memoryview | None:

@@ -4,8 +4,8 @@ No process owns the directory, so nothing is cached about it: every call asks th
 Writes are atomic (unique temporary name + rename in the same directory); concurrent writers of
 one key both write the same bytes and the last rename wins. Deleting a file another process is
 reading is safe on POSIX file systems (the reader keeps its open file or mapping). Files are mapped,
-not copied, on a local file system (``/dev/shm``, a local disk shared by one host's replicas) and
-copied on a network one, several at a time. Readers rely on the chunk
+not copied, on a memory-backed file system (``/dev/shm`` shared by one host's replicas) and copied
+elsewhere, several at a time (a network file system answers each read after a round trip). Readers rely on the chunk
 checksum, never on the file system, to reject a torn or truncated file. The tier does not enforce
 a byte budget: size the shared directory (or expire it) where it is provisioned.
 """
@@ -37,8 +37,8 @@ class SharedDirBackend:
     Args:
         root: the shared directory (created when missing).
         fsync: fsync each file before it is renamed into place.
-        mapped: map files rather than copy them; default: unless the directory is on a network
-            file system, where another host could truncate a file under the mapping.
+        mapped: map files rather than copy them (:func:`files.map_or_none`); default: where the
+            directory is memory-backed (``/dev/shm``).
     """
 
     kind = "fs"
@@ -48,8 +48,9 @@ class SharedDirBackend:
     ) -> None:
         self.root = Path(root)
         self.fsync = fsync
-        self.mapped = not files.is_network_fs(self.root) if mapped is None else mapped
-        self._readers: ThreadPoolExecutor | None = None
+        self.mapped = files.is_memory_fs(self.root) if mapped is None else mapped
+        self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvmesh-fs-read")
+        self._closed = False
 
     async def _run(self, func: Callable[..., T], *args: object) -> T:
         try:
@@ -67,10 +68,8 @@ class SharedDirBackend:
         return files.read_chunk(self._path(key), mapped=self.mapped)
 
     def _read_all(self, keys: Sequence[StoreKey]) -> list[ChunkData | None]:
-        if self.mapped or len(keys) < 2:  # a mapping is made at once; its pages come later
+        if self.mapped or self._closed or len(keys) < 2:  # a mapping is made at once; its pages come later
             return [self._read_one(k) for k in keys]
-        if self._readers is None:
-            self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvmesh-fs-read")
         return list(self._readers.map(self._read_one, keys))
 
     def _write_all(self, items: Sequence[tuple[StoreKey, ChunkData]]) -> int:
@@ -115,9 +114,8 @@ class SharedDirBackend:
         return await self._run(self._stats)
 
     async def aclose(self) -> None:
-        if self._readers is not None:
-            self._readers.shutdown(wait=False)
-            self._readers = None
+        self._closed = True
+        self._readers.shutdown(wait=False)
 
 
 _check: type[Backend] = SharedDirBackend

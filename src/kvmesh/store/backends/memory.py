@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvmesh.store.backends import files
 from kvmesh.store.backends.base import Backend, BackendStats, ChunkData
 from kvmesh.store.keys import StoreKey
 
@@ -13,17 +12,14 @@ from kvmesh.store.keys import StoreKey
 class MemoryBackend:
     """LRU of encoded chunks, bounded by the sum of their lengths.
 
-        Runs on the caller's event loop with no locks: every method completes without awaiting.
-        A ``get`` or ``put`` makes the key most recently used; inserting evicts from the least
-        recently used end until the new item fits. An item larger than the whole budget is refused.
+    Runs on the caller's event loop with no locks: every method completes without awaiting.
+    A ``get`` or ``put`` makes the key most recently used; inserting evicts from the least
+    recently used end until the new item fits. An item larger than the whole budget is refused.
+    Values are kept as given when they are ``bytes`` and copied otherwise (a view may change, or
+    map a file).
 
-    Values are kept as given when they cannot change (``bytes``; a read-only ``memoryview``, as the
-    file tiers hand out: a mapping of a chunk file, which is never written in place) and copied
-    otherwise. A kept mapping holds its file's pages, and its disk space once the file is removed,
-    until the entry is evicted.
-
-        Args:
-            capacity_bytes: byte budget (> 0).
+    Args:
+        capacity_bytes: byte budget (> 0).
     """
 
     kind = "memory"
@@ -32,7 +28,7 @@ class MemoryBackend:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
-        self._entries: OrderedDict[StoreKey, ChunkData] = OrderedDict()
+        self._entries: OrderedDict[StoreKey, bytes] = OrderedDict()
         self._num_bytes = 0
         self.num_evictions = 0
 
@@ -69,7 +65,7 @@ class MemoryBackend:
                 _, evicted = self._entries.popitem(last=False)
                 self._num_bytes -= len(evicted)
                 self.num_evictions += 1
-            self._entries[key] = value if _immutable(value) else bytes(value)
+            self._entries[key] = value if isinstance(value, bytes) else bytes(value)
             self._num_bytes += size
             stored += 1
         return stored
@@ -99,10 +95,6 @@ class MemoryBackend:
     async def aclose(self) -> None:
         self._entries.clear()
         self._num_bytes = 0
-
-
-def _immutable(value: ChunkData) -> bool:
-    return isinstance(value, bytes) or files.is_mapping(value)
 
 
 _check: type[Backend] = MemoryBackend
