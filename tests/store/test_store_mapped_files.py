@@ -87,26 +87,28 @@ async def test_an_empty_chunk_file_reads_as_empty(tmp_path: Path) -> None:
     assert await backend.get_many([key]) == [b""]
 
 
-async def test_the_ram_tier_keeps_its_own_copy_of_a_mapped_chunk(tmp_path: Path) -> None:
-    """A chunk read through a mapping is promoted into the RAM tier as a copy, made off the read
-    path: the RAM tier never keeps a mapping (it would pin the file's pages and disk space)."""
-    shared = SharedDirBackend(tmp_path, mapped=True)
-    key = make_key(1)
+async def test_mapped_chunks_are_not_promoted_into_the_ram_tier(tmp_path: Path) -> None:
+    """A chunk read through a mapping already lies in memory: the RAM tier takes neither a copy
+    (which would double it) nor the mapping (which would pin the file), and once the request lets
+    go of the chunk nothing holds the mapping. A copied read is promoted as before."""
+    key, small_key = make_key(1), make_key(2)
     chunk = make_chunk(key, tokens=BIG // 64)  # 1 x 2 x 2 x T x 8 float32: just over 1 MiB
-    await shared.put_many([(key, chunk)])
+    small = make_chunk(small_key)  # under MAP_MIN_BYTES: copied
+    shared = SharedDirBackend(tmp_path, mapped=True)
+    await shared.put_many([(key, chunk), (small_key, small)])
     ram = MemoryBackend(16 * BIG)
     store = TieredStore([Tier("cpu", ram), Tier("fs", shared, queued=True)], ChunkCodec())
     gc.collect()
     live_before = len(files._MAPPINGS)
     found = await store.get_prefix([key])
     assert found.num_chunks == 1 and files.is_mapping(found.chunks[0].data)
+    assert (await store.get_prefix([small_key])).num_chunks == 1
     await store.drain()
-    (kept,) = await ram.get_many([key])
-    assert isinstance(kept, bytes) and kept == chunk
+    assert await ram.get_many([key, small_key]) == [None, small]
     del found
     await asyncio.sleep(0)
     gc.collect()
-    assert len(files._MAPPINGS) == live_before  # nothing holds the mapping any more
+    assert len(files._MAPPINGS) == live_before
     await store.aclose()
 
 

@@ -102,8 +102,6 @@ class _WriteOp:
     vouch: list[StoreKey] = field(default_factory=list)
     """For "put" with ``on_written``: keys not written whose presence the report should confirm
     (checked in the same ``exists`` call; only those present are reported)."""
-    copy: bool = False
-    """Copy the values into ``bytes`` on a worker thread before writing (mapped chunk files)."""
 
     @property
     def num_bytes(self) -> int:
@@ -349,19 +347,19 @@ class TieredStore:
             if not tier.promote:
                 continue
             items = [(keys[i], c.data) for i, c in enumerate(chunks) if index[c.tier] > n]
+            if not tier.queued:
+                # A mapped chunk file already lies in memory (files are mapped where the directory
+                # is memory-backed): an inline (RAM) tier would only double it, with a copy that
+                # competes with the request for the cores; keeping the mapping instead would pin
+                # the file's pages and disk space, and a mapping, for as long as the entry lived.
+                items = [(key, value) for key, value in items if isinstance(value, bytes)]
             if not items:
                 continue
             tier.counters.promotions += len(items)
             if tier.queued:
                 self._enqueue(tier, _WriteOp("promote", items=items))
-            elif all(isinstance(v, bytes) for _, v in items):
-                await self._write(tier, _WriteOp("promote", items=items))
             else:
-                # Mapped chunk files: an inline tier (RAM) keeps its own copy, made on a worker
-                # thread behind the tier's queue, off the request's path. A mapping is never kept:
-                # it would pin the file's pages and disk space, and count against the process's
-                # mappings, for as long as the entry lives.
-                self._enqueue(tier, _WriteOp("promote", items=items, copy=True))
+                await self._write(tier, _WriteOp("promote", items=items))
 
     # ----------------------------------------------------------------- writes
 
@@ -445,8 +443,6 @@ class TieredStore:
             await self._call(tier, "delete", partial(backend.delete_many, op.keys))
             return
         items = op.items
-        if op.copy:
-            items = await asyncio.to_thread(_copied, items)
         held: list[StoreKey] = []
         if op.kind == "put":
             checked = [k for k, _ in items] + op.vouch
@@ -552,10 +548,6 @@ class TieredStore:
                     await tier._worker
                 tier._worker = None
             await tier.backend.aclose()
-
-
-def _copied(items: list[tuple[StoreKey, ChunkData]]) -> list[tuple[StoreKey, ChunkData]]:
-    return [(key, value if isinstance(value, bytes) else bytes(value)) for key, value in items]
 
 
 def _maybe_report(tier: Tier, op: _WriteOp, keys: list[StoreKey]) -> None:
