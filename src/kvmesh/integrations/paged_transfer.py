@@ -5,8 +5,8 @@ a :class:`~kvmesh.integrations.store_bridge.StoreBridge`. Loads block (bounded b
 timeout) and write straight into the request's blocks, chunk by chunk as the store read them (no
 joined copy in host memory; chunks before the span vLLM asks for are not copied at all; on a CUDA
 cache through page-locked buffers, :class:`~kvmesh.core.torch_kv.PinnedStager`); blocks the store
-could not fill are returned so the engine recomputes them. Saves copy the KV out of the blocks before returning, so
-the engine may reuse the blocks at once, and hand the copy to the bridge.
+could not fill are returned so the engine recomputes them. Saves copy the KV out of the blocks
+before returning, so the engine may reuse the blocks at once, and hand the copy to the bridge.
 """
 
 from __future__ import annotations

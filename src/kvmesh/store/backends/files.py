@@ -80,7 +80,7 @@ def read_or_none(path: Path) -> bytes | None:
 
 MAP_MIN_BYTES = 1 << 20
 """Files smaller than this are copied: their allocation is cheap, and mappings are a bounded resource
-(``vm.max_map_count``, 65,530 by default), held for as long as a chunk is (the RAM tier keeps them)."""
+(``vm.max_map_count``, 65,530 by default), one held for as long as its chunk is."""
 
 _MAPPINGS: weakref.WeakValueDictionary[int, ctypes.Array[ctypes.c_char]] = weakref.WeakValueDictionary()
 """Live mappings by ``id`` (ctypes arrays are not hashable)."""
@@ -113,8 +113,8 @@ def _map(fd: int, size: int) -> memoryview | None:
     ``None`` when the system refuses one (then the caller copies).
 
     ``mmap.mmap`` keeps a duplicate of the file descriptor open for as long as the mapping lives
-    (before Python 3.13), so every chunk the RAM tier held would hold a descriptor too: the mapping
-    is made through libc and the descriptor closed at once.
+    (before Python 3.13), so every chunk on its way to a request would hold a descriptor too: the
+    mapping is made through libc and the descriptor closed at once.
     """
     if _LIBC is None:
         return None
@@ -130,8 +130,7 @@ def _map(fd: int, size: int) -> memoryview | None:
 
 
 def is_mapping(value: bytes | memoryview) -> bool:
-    """Whether ``value`` is a view of a chunk file mapped by :func:`map_or_none` (read-only, and
-    never written in place: safe to keep without a copy)."""
+    """Whether ``value`` is a view of a chunk file mapped by :func:`map_or_none`."""
     return isinstance(value, memoryview) and value.readonly and _MAPPINGS.get(id(value.obj)) is value.obj
 
 

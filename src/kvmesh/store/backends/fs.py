@@ -3,11 +3,12 @@
 No process owns the directory, so nothing is cached about it: every call asks the file system.
 Writes are atomic (unique temporary name + rename in the same directory); concurrent writers of
 one key both write the same bytes and the last rename wins. Deleting a file another process is
-reading is safe on POSIX file systems (the reader keeps its open file or mapping). Files are mapped,
-not copied, on a memory-backed file system (``/dev/shm`` shared by one host's replicas) and copied
-elsewhere, several at a time (a network file system answers each read after a round trip). Readers rely on the chunk
-checksum, never on the file system, to reject a torn or truncated file. The tier does not enforce
-a byte budget: size the shared directory (or expire it) where it is provisioned.
+reading is safe on POSIX file systems (the reader keeps its open file or mapping). Files are
+mapped, not copied, on a memory-backed file system (``/dev/shm`` shared by one host's replicas) and
+copied elsewhere, several at a time (a network file system answers each read after a round trip).
+Readers rely on the chunk checksum, never on the file system, to reject a torn or truncated file.
+The tier does not enforce a byte budget: size the shared directory (or expire it) where it is
+provisioned.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class SharedDirBackend:
         return files.read_chunk(self._path(key), mapped=self.mapped)
 
     def _read_all(self, keys: Sequence[StoreKey]) -> list[ChunkData | None]:
-        if self.mapped or self._closed or len(keys) < 2:  # a mapping is made at once; its pages come later
+        if self.mapped or self._closed or len(keys) < 2:
+            # a mapping is made at once (its pages are read later, by the checksum threads)
             return [self._read_one(k) for k in keys]
         return list(self._readers.map(self._read_one, keys))
 
