@@ -8,7 +8,7 @@ trial then loads it the way an engine does, with a fresh reader and no RAM tier,
 from the directory:
 
     read     KVCacheEngine.retrieve(join=False): the chunk files, checksums verified
-             mapped (the default on a local file system) and copied (network file systems), side by side
+             mapped (the default on a memory-backed directory) and copied (elsewhere), side by side
     device   DeviceKVOps.join_host of the mapped chunks: through page-locked staging buffers on a copy
              stream (the default on CUDA) and straight from pageable memory, side by side
     total    mapped read + the default device copy
