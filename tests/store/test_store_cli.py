@@ -97,6 +97,7 @@ def test_bench_json(tmp_path: Path, redis_server: LocalServer, capsys: pytest.Ca
     assert rows[("redis", "get")]["baseline"] == "redis-py pipelined GET"
     assert all(r["gbps"] > 0 and r["baseline_gbps"] > 0 for r in rows.values())
     assert report["kv_shape"] == [30, 2, 3, 32, 64]
+    assert list(tmp_path.iterdir()) == []  # the --dir given keeps nothing of the run
 
 
 def test_bench_rejects_unknown_tier(capsys: pytest.CaptureFixture[str]) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -351,12 +352,16 @@ async def run_bench(options: BenchOptions, progress: Callable[[str], None] | Non
                 baseline = _MemcpyBaseline([codec.encode(k, a) for k, a in zip(keys, arrays, strict=True)])
             elif tier in ("disk", "fs"):
                 root = workdir / f"{tier}-{os.getpid()}"
+                raw = workdir / f"{tier}-raw-{os.getpid()}"
+                # a --dir of the user's keeps nothing of the run (on /dev/shm, not even empty dirs)
+                stack.callback(shutil.rmtree, root, ignore_errors=True)
+                stack.callback(shutil.rmtree, raw, ignore_errors=True)
                 backend = (
                     DiskBackend(root, chunk_bytes * len(keys) * 2)
                     if tier == "disk"
                     else SharedDirBackend(root)
                 )
-                baseline = _FileBaseline(workdir / f"{tier}-raw-{os.getpid()}")
+                baseline = _FileBaseline(raw)
             else:
                 url = urls[tier]
                 backend = RedisBackend(url, key_prefix="kvmesh-bench", socket_timeout_s=60.0)
