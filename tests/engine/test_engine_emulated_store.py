@@ -58,12 +58,19 @@ def chunk_files(shared: Path) -> list[Path]:
     return sorted(shared.rglob("*.kvc"))
 
 
+async def two_engines(make_engine: Callable[..., Any], shared: Path) -> tuple[Any, Any]:
+    """Two emulated engines sharing the store directory ``shared``."""
+    return (
+        await make_engine(QWEN, store=f"file://{shared}"),
+        await make_engine(QWEN, store=f"file://{shared}"),
+    )
+
+
 async def test_a_second_emulated_engine_loads_the_prompt_from_the_shared_tier_at_the_modelled_cost(
     make_engine: Callable[..., Any], tmp_path: Path
 ) -> None:
     shared = tmp_path / "shared"
-    a = await make_engine(QWEN, store=f"file://{shared}")
-    b = await make_engine(QWEN, store=f"file://{shared}")
+    a, b = await two_engines(make_engine, shared)
     cost = CostModel(PRESETS[QWEN])
 
     cached, _ = await complete(a, PROMPT)
@@ -110,8 +117,7 @@ async def test_a_corrupt_chunk_ends_the_loaded_prefix(
     make_engine: Callable[..., Any], tmp_path: Path
 ) -> None:
     shared = tmp_path / "shared"
-    a = await make_engine(QWEN, store=f"file://{shared}")
-    b = await make_engine(QWEN, store=f"file://{shared}")
+    a, b = await two_engines(make_engine, shared)
     await complete(a, PROMPT)
     await a.core.wait_store_writes()
     keys = store_engine(b).chunk_keys(PROMPT, b.core.cache.hasher.namespace)

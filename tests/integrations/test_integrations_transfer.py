@@ -74,17 +74,25 @@ def test_round_trip_between_replicas_is_bit_identical(
     assert dst.stats.num_loaded_tokens == 96
 
 
+def _stored_prompt(bridge: StoreBridge, prompt: tuple[int, ...], saved: int, seed: int) -> torch.Tensor:
+    """Compute (write) a 96-token prompt's KV into a fresh paged cache, store its first ``saved``
+    tokens through ``bridge`` and wait for every tier; returns the KV."""
+    src = _transfer(PagedLayout.KV_FIRST, bridge)
+    kv = request_kv(96, seed=seed)
+    blocks = (0, 1, 2, 3, 4, 5)
+    write_request(src.layers, PagedLayout.KV_FIRST, blocks, BS, kv)
+    assert src.save(SaveSpec("a", prompt, blocks, 0, saved, NS))
+    assert bridge.drain(10.0)
+    return kv
+
+
 def test_partial_hit_loads_the_shared_prefix_after_the_local_hit(
     bridges: tuple[StoreBridge, StoreBridge],
 ) -> None:
     a, b = bridges
-    src, dst = _transfer(PagedLayout.KV_FIRST, a), _transfer(PagedLayout.KV_FIRST, b, fill=5.0)
-    kv = request_kv(96, seed=5)
-    blocks = (0, 1, 2, 3, 4, 5)
-    write_request(src.layers, PagedLayout.KV_FIRST, blocks, BS, kv)
     first = tuple(range(96))
-    assert src.save(SaveSpec("a", first, blocks, 0, 64, NS))  # only two chunks were computed
-    assert a.drain(10.0)
+    kv = _stored_prompt(a, first, 64, seed=5)  # only two chunks were computed
+    dst = _transfer(PagedLayout.KV_FIRST, b, fill=5.0)
     second = first[:64] + tuple(range(9000, 9040))  # shares 64 tokens
     assert b.lookup(second[:-1], NS) == 64
     # the engine has the first block locally: load tokens 16..63 only
@@ -100,13 +108,9 @@ def test_a_span_starting_in_a_later_chunk_copies_only_what_it_covers(
     bridges: tuple[StoreBridge, StoreBridge],
 ) -> None:
     a, b = bridges
-    src, dst = _transfer(PagedLayout.KV_FIRST, a), _transfer(PagedLayout.KV_FIRST, b, fill=5.0)
-    kv = request_kv(96, seed=8)
-    blocks = (0, 1, 2, 3, 4, 5)
-    write_request(src.layers, PagedLayout.KV_FIRST, blocks, BS, kv)
     prompt = tuple(range(96))
-    assert src.save(SaveSpec("a", prompt, blocks, 0, 96, NS))  # three chunks
-    assert a.drain(10.0)
+    kv = _stored_prompt(a, prompt, 96, seed=8)  # three chunks
+    dst = _transfer(PagedLayout.KV_FIRST, b, fill=5.0)
     # the engine holds 48 tokens (chunk 0 and half of chunk 1): tokens 48..95 come from two chunks
     dst_blocks = (11, 10, 9, 8, 7, 6)
     assert dst.load(LoadSpec("b", prompt, dst_blocks, 48, 96, NS)) == set()
@@ -182,13 +186,8 @@ def test_a_load_in_several_batches_is_bit_identical(
     """Loaded chunks are staged a bounded number of bytes at a time (on CUDA through page-locked
     buffers, ``KVMESH_TEST_DEVICE=cuda``): every batch lands in the right blocks."""
     a, b = bridges
-    src = _transfer(PagedLayout.KV_FIRST, a)
-    kv = request_kv(96, seed=9)
-    blocks = (0, 1, 2, 3, 4, 5)
-    write_request(src.layers, PagedLayout.KV_FIRST, blocks, BS, kv)
     prompt = tuple(range(500, 596))
-    assert src.save(SaveSpec("a", prompt, blocks, 0, 96, NS))
-    assert a.drain(10.0)
+    kv = _stored_prompt(a, prompt, 96, seed=9)
     layers = [layer.to(device) for layer in paged_cache(PagedLayout.KV_FIRST, fill=5.0)]
     dst = PagedKVTransfer(layers, detect_geometry(layers[0], BS), b)
     chunk_bytes = 3 * 2 * 2 * 32 * 8 * 2  # layers × K/V × heads × chunk tokens × head dim × bf16

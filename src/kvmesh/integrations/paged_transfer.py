@@ -83,8 +83,7 @@ class PagedKVTransfer:
         result = self.bridge.retrieve(
             spec.token_ids, spec.namespace, max_tokens=len(spec.token_ids), join=False
         )
-        parts = result.parts if result.kv is None else (result.kv,)
-        got = self._scatter_loaded(spec, parts) if parts else 0
+        got = self._scatter_loaded(spec, result.parts) if result.parts else 0
         if got < spec.end:
             self.stats.num_failed_load_tokens += spec.end - max(got, spec.start)
             first_bad = max(got, spec.start) // bs
