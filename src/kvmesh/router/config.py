@@ -15,6 +15,8 @@
     index: {backend: memory, capacity: 2000000, redisUrl: null, keyPrefix: "kvmesh:idx:"}
     health: {intervalS: 0.5, timeoutS: 0.5, failureThreshold: 2, metricsIntervalS: 1.0}
     upstream: {maxConnectionsPerEndpoint: 1024, keepaliveS: 15.0}
+    flowControl: {enabled: true, maxPredictedTtftSeconds: 10, maxQueueWaitSeconds: 30,
+                  maxQueuedRequests: 10000, perTenantMaxQueued: 0}   # see kvmesh.router.flow_control
     endpoints:
       - {url: "http://127.0.0.1:8001"}
       - {url: "http://10.0.0.7:8000", role: decode, eventsEndpoint: "tcp://10.0.0.7:5557"}
@@ -35,6 +37,7 @@ from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, HashAlgo
 from kvmesh.errors import ConfigError
 from kvmesh.router.discovery import DnsDiscoveryConfig
 from kvmesh.router.endpoints import EndpointConfig
+from kvmesh.router.flow_control import FlowControlConfig
 
 ADMIN_TOKEN_ENV = "KVMESH_ROUTER_ADMIN_TOKEN"
 
@@ -105,6 +108,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     index: IndexConfig = msgspec.field(default_factory=IndexConfig)
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     upstream: UpstreamConfig = msgspec.field(default_factory=UpstreamConfig)
+    flow_control: FlowControlConfig = msgspec.field(default_factory=FlowControlConfig)
+    """Requests wait in the router while every endpoint is saturated (fair across tenants, by
+    priority) and are answered 429 past a deadline; see :mod:`kvmesh.router.flow_control`."""
     endpoints: list[EndpointConfig] = msgspec.field(default_factory=list)
     discovery: list[DnsDiscoveryConfig] = msgspec.field(default_factory=list)
     """DNS names (Kubernetes headless Services) whose addresses are engine pods, followed at run

@@ -3,7 +3,8 @@
 Per request::
 
     body ─► RequestParser (validate, tenant, tokens once as u32) ─► RoutingRequest
-         ─► Scheduler.match (remote index: on a worker thread) ─► Scheduler.pick
+         ─► Scheduler.match (remote index: on a worker thread)
+         ─► FlowGate (every endpoint saturated: wait in the queue, or 429) ─► Scheduler.pick
          ─► [P/D: PrefillLeg] ─► UpstreamProxy: ranked[0], on connect failure ranked[1], ...
             ─► the answer streamed back chunk by chunk (SSE is never buffered)
 
@@ -36,6 +37,8 @@ from kvmesh.router.admin import AdminApi
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.discovery import DnsDiscovery
 from kvmesh.router.endpoints import PROBE_CONNECTIONS_PER_ENDPOINT, EndpointPool
+from kvmesh.router.flow_control import TicketState
+from kvmesh.router.flow_gate import QUEUE_WAIT_HEADER, FlowGate, parse_flow_headers, wait_ms
 from kvmesh.router.index import BlockIndex, InMemoryIndex, InstrumentedIndex
 from kvmesh.router.ingest import EventApplier
 from kvmesh.router.intake import EventIntake
@@ -50,7 +53,7 @@ from kvmesh.router.replies import error_response, json_response
 from kvmesh.router.request_parser import RequestParser
 from kvmesh.router.scheduler import Scheduler, load_scheduler_config
 from kvmesh.router.tokenize import CachedTokenizer, PromptTokenizer
-from kvmesh.router.types import PrefixMatch, RoutingRequest
+from kvmesh.router.types import Decision, PrefixMatch, RoutingRequest
 from kvmesh.router.write_behind import WriteBehindIndex
 
 logger = logging.getLogger(__name__)
@@ -133,6 +136,12 @@ class Gateway:
         self._pending_events: dict[PodId, tuple[str, str | None]] = {}
         self.prefill_ledger = PrefillLedger(attention_context=attention_context_of(scheduler_config))
         """Prefill work sent to each endpoint and not yet answered, and the pool's learned speed."""
+        self.flow_gate = (
+            FlowGate(config.flow_control, self.scheduler, self.prefill_ledger, self.metrics)
+            if config.flow_control.enabled
+            else None
+        )
+        """Holds requests while every endpoint is saturated (``None``: flow control off)."""
         self.app = self._build_app()
 
     def _make_index(self) -> RedisIndex | InMemoryIndex:
@@ -203,6 +212,7 @@ class Gateway:
             self.prefill_ledger,
             request_timeout_s=self.config.request_timeout_s,
             max_attempts=self.config.max_attempts,
+            on_first_token=None if self.flow_gate is None else self.flow_gate.wake,
         )
         self.prefill_leg = PrefillLeg(session, pool, self.metrics, timeout_s=self.config.request_timeout_s)
         for endpoint in self.config.endpoints:
@@ -215,9 +225,13 @@ class Gateway:
             self.writer.start()
         self.maybe_start_intake()
         pool.start()
+        if self.flow_gate is not None:
+            self.flow_gate.start(pool.states)
 
     async def aclose(self) -> None:
         """Stop background work and close sockets and sessions."""
+        if self.flow_gate is not None:
+            await self.flow_gate.aclose()
         if self.discovery is not None:
             await self.discovery.aclose()
         if self.pool is not None:
@@ -304,14 +318,35 @@ class Gateway:
         assert pool is not None and proxy is not None and prefill_leg is not None, (
             "requests arrived before Gateway.start()"
         )
-        self.prefill_ledger.refresh(time.perf_counter())
-        try:
-            decision = self.scheduler.pick(routing, pool.states())
-        except TierUnavailableError as exc:
-            logger.warning("index unavailable, routing by load: %s", exc)
-            routing.prefix = PrefixMatch(0, self.config.block_size)
-            decision = self.scheduler.pick(routing, pool.states())
-        self.metrics.schedule_seconds.observe(time.perf_counter() - started)
+        gate = self.flow_gate
+        if gate is None:
+            decision = self._pick(routing, pool)
+            self.metrics.schedule_seconds.observe(time.perf_counter() - started)
+            extra = None
+        else:
+            try:
+                priority, max_wait_s = parse_flow_headers(request.headers)
+            except RequestError as exc:
+                self.metrics.errors.labels("bad_request").inc()
+                return error_response(exc.status, exc.message, param=exc.param)
+            ticket = await gate.admit(
+                routing, tenant=parsed.tenant, priority=priority, max_wait_s=max_wait_s, request=request
+            )
+            if ticket.state is TicketState.SHED:
+                return gate.shed_response(ticket)
+            if ticket.state is TicketState.REMOVED:
+                if gate.closed:
+                    return error_response(503, "the router is shutting down", kind="service_unavailable")
+                return web.Response(status=499)  # the client went away while queued: nobody reads this
+            try:
+                if ticket.state is TicketState.DISPATCHED:
+                    # the index moved on while the request waited: match it again
+                    routing.prefix = await self._match_off_loop(routing) if self.index_is_remote else None
+                decision = self._pick(routing, pool)
+            finally:
+                gate.release(ticket)
+            self.metrics.schedule_seconds.observe(time.perf_counter() - started - ticket.waited_s)
+            extra = {QUEUE_WAIT_HEADER: wait_ms(ticket)}
         if decision is None:
             self.metrics.errors.labels("no_endpoint").inc()
             return error_response(
@@ -324,7 +359,22 @@ class Gateway:
             await prefill_leg.run(request.path, parsed.body, headers, decision.prefill)
             raw = msgspec.json.encode(decode_body(parsed.body))
         self.metrics.prompt_tokens.inc(routing.num_tokens)
-        return await proxy.forward(request, raw, headers, decision, routing)
+        if gate is None:
+            return await proxy.forward(request, raw, headers, decision, routing)
+        try:
+            return await proxy.forward(request, raw, headers, decision, routing, extra)
+        finally:
+            gate.wake()
+
+    def _pick(self, routing: RoutingRequest, pool: EndpointPool) -> Decision | None:
+        """The scheduler's decision; by load alone when the remote index cannot be reached."""
+        self.prefill_ledger.refresh(time.perf_counter())
+        try:
+            return self.scheduler.pick(routing, pool.states())
+        except TierUnavailableError as exc:
+            logger.warning("index unavailable, routing by load: %s", exc)
+            routing.prefix = PrefixMatch(0, self.config.block_size)
+            return self.scheduler.pick(routing, pool.states())
 
     async def _match_off_loop(self, routing: RoutingRequest) -> PrefixMatch:
         """:meth:`Scheduler.match` on a worker thread, for an index that does network I/O."""

@@ -21,6 +21,14 @@
                                                 yet (less what it computed since, when learned)
 ``kvmesh_router_prefill_tokens_per_second``     the pool's prefill speed learned from first tokens
                                                 (0 until learned)
+``kvmesh_router_flow_queue_depth{tenant,...}``  requests waiting in the flow-control queue, per
+                                                tenant and ``priority``
+``kvmesh_router_flow_queued_requests``          requests waiting in it, in all
+``kvmesh_router_flow_queued_total``             requests that had to wait
+``kvmesh_router_flow_queue_wait_seconds{...}``  time spent waiting, by ``outcome``: ``dispatched``,
+                                                ``shed`` (429 at the deadline), ``cancelled``
+``kvmesh_router_flow_shed_total{reason}``       requests answered 429: ``deadline``, ``queue_full``,
+                                                ``tenant_queue_full``
 ==============================================  =============================================
 
 The ingest and endpoint figures are read when scraped (no per-event or per-request cost).
@@ -28,7 +36,7 @@ The ingest and endpoint figures are read when scraped (no per-event or per-reque
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import fields
 from typing import Any
 
@@ -121,8 +129,38 @@ class EndpointLoadCollector:
         )
 
 
+class FlowQueueCollector:
+    """Exports the flow-control queue's depth per tenant and priority at scrape time.
+
+    Args:
+        source: returns the queued requests per (tenant, priority).
+    """
+
+    def __init__(self, source: Callable[[], Mapping[tuple[str, int], int]]) -> None:
+        self._source = source
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        depth = GaugeMetricFamily(
+            "kvmesh_router_flow_queue_depth",
+            "Requests waiting in the flow-control queue, per tenant and priority",
+            labels=["tenant", "priority"],
+        )
+        total = 0
+        for (tenant, priority), n in sorted(self._source().items()):
+            depth.add_metric([tenant, str(priority)], n)
+            total += n
+        yield depth
+        yield GaugeMetricFamily(
+            "kvmesh_router_flow_queued_requests", "Requests waiting in the flow-control queue", value=total
+        )
+
+
 _LATENCY_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 _EVENT_LAG_BUCKETS = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 60.0)
+_QUEUE_WAIT_BUCKETS = (1e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class RouterMetrics:
@@ -165,6 +203,19 @@ class RouterMetrics:
         )
         self.retries = Counter("kvmesh_router_retries", "Connect failures retried elsewhere", registry=r)
         self.errors = Counter("kvmesh_router_errors", "Requests answered with an error", ["kind"], registry=r)
+        self.flow_queued = Counter(
+            "kvmesh_router_flow_queued", "Requests that waited in the flow-control queue", registry=r
+        )
+        self.flow_shed = Counter(
+            "kvmesh_router_flow_shed", "Requests answered 429 by flow control", ["reason"], registry=r
+        )
+        self.flow_wait_seconds = Histogram(
+            "kvmesh_router_flow_queue_wait_seconds",
+            "Seconds requests spent in the flow-control queue, by how they left it",
+            ["outcome"],
+            buckets=_QUEUE_WAIT_BUCKETS,
+            registry=r,
+        )
 
         self._scorer_children: dict[str, Any] = {}
         self._decision_children: dict[str, Any] = {}
@@ -176,6 +227,10 @@ class RouterMetrics:
     def watch_endpoints(self, source: Callable[[], Iterable[EndpointState]]) -> None:
         """Export the outstanding prefill work of the endpoints ``source`` returns."""
         self.registry.register(EndpointLoadCollector(source))
+
+    def watch_flow(self, source: Callable[[], Mapping[tuple[str, int], int]]) -> None:
+        """Export the flow-control queue's depth per (tenant, priority) that ``source`` returns."""
+        self.registry.register(FlowQueueCollector(source))
 
     def observe_scorer(self, scorer: str, seconds: float) -> None:
         """Record one scorer run (the scheduler's ``on_timing`` hook)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -42,6 +43,8 @@ class UpstreamProxy:
         ledger: the outstanding prefill work per endpoint (sent, first token, finished).
         request_timeout_s: total time one upstream request may take.
         max_attempts: endpoints tried per request, down the ranking.
+        on_first_token: called when a streamed request's first token arrives (flow control
+            re-checks its queue then).
     """
 
     def __init__(
@@ -53,12 +56,14 @@ class UpstreamProxy:
         *,
         request_timeout_s: float,
         max_attempts: int,
+        on_first_token: Callable[[], None] | None = None,
     ) -> None:
         self.session = session
         self.pool = pool
         self.metrics = metrics
         self.ledger = ledger
         self.max_attempts = max_attempts
+        self.on_first_token = on_first_token
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=2.0)
         self._urls: dict[tuple[PodId, str], URL] = {}
 
@@ -76,6 +81,7 @@ class UpstreamProxy:
         headers: dict[str, str],
         decision: Decision,
         routing: RoutingRequest,
+        response_headers: Mapping[str, str] | None = None,
     ) -> web.StreamResponse:
         """Send ``raw`` to ``decision.ranked[0]`` (then the next on connect failures) and relay the answer.
 
@@ -85,6 +91,7 @@ class UpstreamProxy:
             headers: the headers to send.
             decision: the scheduler's decision.
             routing: the routed request (its id and predicted hits feed the prefill ledger).
+            response_headers: added to the answer relayed from the endpoint.
 
         Returns:
             The relayed answer, or a 502 when no endpoint could be reached.
@@ -122,7 +129,7 @@ class UpstreamProxy:
             if pod == decision.endpoint:
                 self.metrics.predicted_hit_tokens.inc(decision.predicted_hit_tokens)
             try:
-                return await self._relay(request, upstream, pod, rid)
+                return await self._relay(request, upstream, pod, rid, response_headers)
             finally:
                 upstream.release()
                 pool.end_request(pod)
@@ -131,7 +138,12 @@ class UpstreamProxy:
         return error_response(502, f"no endpoint could be reached ({last_error})", kind="upstream_error")
 
     async def _relay(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, pod: PodId, request_id: str
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        pod: PodId,
+        request_id: str,
+        response_headers: Mapping[str, str] | None,
     ) -> web.StreamResponse:
         content_type = upstream.headers.get("Content-Type", "application/json")
         if not content_type.startswith("text/event-stream"):
@@ -145,11 +157,15 @@ class UpstreamProxy:
             self._record_usage(data)
             resp = web.Response(status=upstream.status, body=data, headers={"Content-Type": content_type})
             resp.headers[ENDPOINT_HEADER] = pod
+            if response_headers:
+                resp.headers.update(response_headers)
             return resp
         stream = web.StreamResponse(status=upstream.status)
         stream.headers["Content-Type"] = content_type
         stream.headers["Cache-Control"] = "no-cache"
         stream.headers[ENDPOINT_HEADER] = pod
+        if response_headers:
+            stream.headers.update(response_headers)
         await stream.prepare(request)
         tail = b""
         first = upstream.status == 200
@@ -159,6 +175,8 @@ class UpstreamProxy:
                     # An engine streams nothing before its first token: this is the prefill's end.
                     self.ledger.first_token(request_id, time.perf_counter())
                     first = False
+                    if self.on_first_token is not None:
+                        self.on_first_token()
                 await stream.write(chunk)
                 tail = (tail + chunk)[-_USAGE_TAIL:]
         except (aiohttp.ClientError, TimeoutError) as exc:

@@ -43,6 +43,7 @@ from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.plugins.base import Filter, Observer, Params, Picker, PluginContext, Scorer
 from kvmesh.router.plugins.pickers import MaxScorePicker
 from kvmesh.router.plugins.registry import PD_PROFILE_HANDLER, build_plugin, canonical_type
+from kvmesh.router.plugins.scorers import TTFTEstimateScorer
 from kvmesh.router.prefix import match_prefix
 from kvmesh.router.types import Decision, EndpointState, PrefixMatch, RoutingRequest
 
@@ -229,6 +230,36 @@ class Scheduler:
             return None
         result = self._run(self.profiles[self._default_profile_name()], request, healthy)
         return None if result is None else result.ranked
+
+    def predicted_ttft(self, request: RoutingRequest, endpoints: list[EndpointState]) -> float | None:
+        """The lowest time to first token the deciding profile predicts for ``request``.
+
+        Flow control's saturation test: the deciding profile (the default one, or the decode
+        profile of a P/D scheduler) filters the healthy ``endpoints`` and its first
+        ``ttft-estimate-scorer`` estimates each; nothing is picked and no plugin state changes.
+
+        Args:
+            request: the request; ``request.prefix`` is filled from the index when ``None``.
+            endpoints: current state of every known endpoint; unhealthy ones are skipped.
+
+        Returns:
+            Seconds, or ``None`` when the profile has no ``ttft-estimate-scorer`` or no endpoint
+            passes its filters.
+        """
+        profile = self.profiles[
+            self.pd.decode_profile if self.pd is not None else self._default_profile_name()
+        ]
+        estimator = next(
+            (ws.scorer for ws in profile.scorers if isinstance(ws.scorer, TTFTEstimateScorer)), None
+        )
+        if estimator is None:
+            return None
+        candidates = self._prepare(request, endpoints)
+        for flt in profile.filters:
+            if not candidates:
+                break
+            candidates = flt.filter(request, candidates)
+        return min((estimator.estimate(request, e) for e in candidates), default=None)
 
     def _prepare(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[EndpointState]:
         """Fill ``request.prefix`` from the index if needed; return the healthy endpoints."""
