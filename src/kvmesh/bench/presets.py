@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from kvmesh.workload import SharedPrefixWorkload, Stage, Workload
+from kvmesh.workload import AgenticWorkload, SharedPrefixWorkload, Stage, Workload
 
 LLMD_STAGES = [
     Stage(15, 50, warmup=True),
@@ -150,10 +150,50 @@ def llmd_73_scaled(size: ScaledSize = "full", *, seed: int = 0) -> ScaledRun:
     return ScaledRun(w, 8, "qwen3-32b-h100-tp2", LLMD_SCALED_KV_CAPACITY, desc, dict(LLMD_SCHEDULERS))
 
 
+AGENTIC_SCALED_ENGINES = 4
+AGENTIC_SCALED_KV_CAPACITY = 12_288
+"""Per-pod KV of ``agentic-scaled``: the 4 pods hold about 0.6 of the live sessions' contexts, as the
+8 × Qwen3-32B fleet of ``kvmesh/sim/examples/agentic.yaml`` holds about 0.55 of its sessions'."""
+
+
+def agentic_scaled(*, seed: int = 0) -> ScaledRun:
+    """Coding-agent sessions (:class:`AgenticWorkload`) scaled to emulated engines on one 2-core machine.
+
+    The shape of ``kvmesh/sim/examples/agentic.yaml`` (shared system prompt and tools, growing contexts
+    about 93% seen before, heavy-tailed tool results, think times after each turn, compaction at the
+    cap) with contexts of a few thousand tokens instead of tens of thousands, so that SmolLM2's
+    8,192-token context (what emulated engines load) holds them: 24 sessions, 6,144-token cap, about
+    570 requests of 3,300 tokens on average and 16-token outputs; about a minute per scheduler.
+    """
+    w = AgenticWorkload(
+        num_sessions=24,
+        session_interval_s=1.0,
+        system_prompt_len=1024,
+        task_len={"median": 400, "sigma": 0.6, "min": 50, "max": 2000},
+        num_turns={"median": 20, "sigma": 0.5, "min": 10, "max": 60},
+        output_len={"median": 16, "sigma": 0.6, "min": 4, "max": 64},
+        tool_result_len={"median": 100, "sigma": 1.2, "min": 5, "max": 3000},
+        think_time_s={"median": 0.5, "sigma": 1.0, "min": 0.05, "max": 10.0},
+        max_context_tokens=6144,
+        summary_len={"mean": 600, "std_dev": 150, "min": 200, "max": 1200},
+        block_tokens=256,
+        seed=seed,
+        vocab_size=SMOLLM2_VOCAB,
+        name="agentic-scaled",
+    )
+    desc = (
+        f"coding-agent sessions scaled: {w.num_sessions} sessions about {w.mean_session_interval_s:g} s apart, "
+        f"median 20 turns, contexts capped at {w.max_context_tokens:,} tokens (example: 128k) with compaction, "
+        f"{AGENTIC_SCALED_ENGINES} pods of {AGENTIC_SCALED_KV_CAPACITY:,} KV tokens"
+    )
+    return ScaledRun(w, AGENTIC_SCALED_ENGINES, "qwen3-32b-h100-tp2", AGENTIC_SCALED_KV_CAPACITY, desc)
+
+
 PRESETS: dict[str, Callable[[], ScaledRun]] = {
     "llmd-73": llmd_73,
     "llmd-73-scaled": llmd_73_scaled,
     "llmd-73-scaled-demo": lambda: llmd_73_scaled("demo"),
     "llmd-73-scaled-quick": lambda: llmd_73_scaled("quick"),
+    "agentic-scaled": agentic_scaled,
 }
 """``kvmesh bench ... --workload NAME`` accepts these names as well as YAML files."""

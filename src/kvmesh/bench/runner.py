@@ -2,7 +2,8 @@
 
 Open loop: each request is sent at its ``arrival_s`` (the workload's Poisson or constant stages),
 however many are in flight. Closed loop (``concurrency`` set): that many workers send requests back to
-back, ignoring arrival times. Either way, requests sharing a ``session_id`` go one after another.
+back, ignoring arrival times. Either way, requests sharing a ``session_id`` go one after another, and
+one with a ``gap_after_previous_s`` waits that long after the previous one finished.
 
 Streaming completions are read as SSE; the final usage chunk (``stream_options.include_usage``) gives
 prompt, completion and cached token counts. Token-id prompts go to ``/v1/completions``; with
@@ -243,7 +244,8 @@ async def run_workload(
     warmup = [k for k, s in enumerate(stages) if getattr(s, "warmup", False)]
     results: list[RequestResult] = []
     queue: list[QueueSample] = []
-    session_done: dict[str, asyncio.Future[None]] = {}
+    # per session, the last request's future; its result is when that request finished (perf_counter)
+    session_done: dict[str, asyncio.Future[float]] = {}
     timeout = aiohttp.ClientTimeout(total=options.request_timeout_s, sock_connect=10)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
@@ -258,28 +260,30 @@ async def run_workload(
         )
         with _Progress(len(specs), options.label, options.progress) as progress:
 
-            async def run_one(spec: RequestSpec, wait_for: asyncio.Future[None] | None, paced: bool) -> None:
+            async def run_one(spec: RequestSpec, wait_for: asyncio.Future[float] | None, paced: bool) -> None:
+                due = t0 + spec.arrival_s if paced else 0.0
                 if wait_for is not None:
-                    await wait_for
-                if paced:
-                    delay = spec.arrival_s - (time.perf_counter() - t0)
-                    if delay > 0:
-                        await asyncio.sleep(delay)
+                    finished = await wait_for
+                    if spec.gap_after_previous_s is not None:
+                        due = max(due, finished + spec.gap_after_previous_s)
+                delay = due - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
                 result = await send_request(session, spec, options, t0)
                 results.append(result)
                 progress.advance(result)
 
-            def chain(spec: RequestSpec) -> tuple[asyncio.Future[None] | None, asyncio.Future[None] | None]:
+            def chain(spec: RequestSpec) -> tuple[asyncio.Future[float] | None, asyncio.Future[float] | None]:
                 if spec.session_id is None:
                     return None, None
                 prev = session_done.get(spec.session_id)
-                mine: asyncio.Future[None] = loop.create_future()
+                mine: asyncio.Future[float] = loop.create_future()
                 session_done[spec.session_id] = mine
                 return prev, mine
 
             async def finish(
-                coro_wait: asyncio.Future[None] | None,
-                mine: asyncio.Future[None] | None,
+                coro_wait: asyncio.Future[float] | None,
+                mine: asyncio.Future[float] | None,
                 spec: RequestSpec,
                 paced: bool,
             ) -> None:
@@ -287,7 +291,7 @@ async def run_workload(
                     await run_one(spec, coro_wait, paced)
                 finally:
                     if mine is not None and not mine.done():
-                        mine.set_result(None)
+                        mine.set_result(time.perf_counter())
 
             try:
                 if options.concurrency is None:

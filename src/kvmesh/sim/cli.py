@@ -50,7 +50,9 @@ def register(subparsers: Any) -> None:
 
 
 def _fleet_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", help="workload YAML (bench format: shared_prefix, multi_turn, mooncake)")
+    p.add_argument(
+        "--workload", help="workload YAML (bench format: shared_prefix, multi_turn, mooncake, agentic)"
+    )
     p.add_argument(
         "--trace", type=Path, default=None, help="replay a Mooncake-format jsonl(.gz) trace instead"
     )

@@ -209,6 +209,10 @@ class FleetSimulation:
         self._sessions: dict[str, deque[SimRequest]] = {}
         self._busy_sessions: set[str] = set()
         self._session_of: dict[int, str] = {}
+        self._gap_of: dict[int, float] = {}
+        """Think time of queued session requests (``RequestSpec.gap_after_previous_s``), by index."""
+        self._session_free: dict[str, float] = {}
+        """When each idle session's last request finished (for the think time of its next one)."""
         self._pending = 0
         self._in_flight = 0
         self._held: deque[SimRequest] = deque()
@@ -257,11 +261,12 @@ class FleetSimulation:
             waiting = self._sessions.get(session)
             if waiting:
                 nxt = waiting.popleft()
-                nxt.arrival = max(nxt.arrival, self.loop.now)
+                nxt.arrival = max(nxt.arrival, self.loop.now + self._gap_of.pop(nxt.index, 0.0))
                 self.loop.call_at(nxt.arrival, self._send, nxt)
             else:
                 self._busy_sessions.discard(session)
                 self._sessions.pop(session, None)
+                self._session_free[session] = self.loop.now
 
     def _stage_done(self, stage: int) -> None:
         left = self._stage_pending[stage] - 1
@@ -313,16 +318,24 @@ class FleetSimulation:
         self._ideal.observe(keys, req.prompt_len)
         self._index += 1
         self._pending += 1
-        self.loop.call_at(req.arrival, self._arrive, req, spec.session_id)
+        self.loop.call_at(req.arrival, self._arrive, req, spec.session_id, spec.gap_after_previous_s)
 
-    def _arrive(self, req: SimRequest, session: str | None) -> None:
+    def _arrive(self, req: SimRequest, session: str | None, gap: float | None) -> None:
         self._next_arrival()
         if session is not None:
             self._session_of[req.index] = session
             if session in self._busy_sessions:
+                if gap is not None:
+                    self._gap_of[req.index] = gap
                 self._sessions.setdefault(session, deque()).append(req)
                 return
             self._busy_sessions.add(session)
+            free = self._session_free.pop(session, None)
+            if gap is not None and free is not None and free + gap > self.loop.now:
+                # the session's previous request finished less than the think time ago
+                req.arrival = free + gap
+                self.loop.call_at(req.arrival, self._send, req)
+                return
         self._send(req)
 
     def _send(self, req: SimRequest) -> None:

@@ -1,6 +1,6 @@
 """Workloads: deterministic request streams for the load runner (`kvmesh.bench`) and the fleet simulator.
 
-Three shapes, all yielding :class:`RequestSpec` in arrival order:
+Four shapes, all yielding :class:`RequestSpec` in arrival order:
 
 - :class:`SharedPrefixWorkload` — inference-perf's ``shared_prefix`` data generator: ``num_groups``
   system prompts, each followed by ``num_prompts_per_group`` questions. The prompts are built once,
@@ -10,6 +10,10 @@ Three shapes, all yielding :class:`RequestSpec` in arrival order:
 - :class:`MooncakeTraceWorkload` — replay of a Mooncake-format jsonl trace (``timestamp`` ms,
   ``input_length``, ``output_length``, ``hash_ids`` of 512-token blocks): equal hash ids become equal
   synthetic token blocks, replayed by timestamp with a speed-up factor.
+- :class:`AgenticWorkload` — coding-agent sessions: tens to hundreds of turns, each resending the whole
+  growing context (system prompt and tools shared by every session, then the session's history) after
+  a think time that starts when the previous turn finished; contexts are capped by compaction or
+  truncation. Prompts are hash-id block chains, as in a trace replay.
 
 Load shape: open loop in ``stages`` (``{rate, duration}``, Poisson or constant arrivals) or, without
 stages, ``num_requests`` requests all due at time 0 for a closed-loop runner to pace by concurrency.
@@ -22,10 +26,11 @@ Every stream is a pure function of its parameters and ``seed``.
 
 Modules: ``spec`` (stages, :class:`RequestSpec`, the protocols), ``lengths``, ``arrivals``,
 ``synthetic`` (token ids and the word list), one module per generator (``shared_prefix``,
-``multi_turn``, ``mooncake``), ``trace_blocks`` (a trace's token blocks, drawn on demand),
+``multi_turn``, ``mooncake``, ``agentic``), ``trace_blocks`` (a trace's token blocks, drawn on demand),
 ``shift`` and ``config`` (the YAML loader).
 """
 
+from kvmesh.workload.agentic import AgenticWorkload
 from kvmesh.workload.arrivals import expected_num_requests, request_arrivals, stage_arrivals
 from kvmesh.workload.config import load_workload
 from kvmesh.workload.lengths import LengthDist, LengthLike
@@ -49,6 +54,7 @@ __all__ = [
     "DEFAULT_CAPACITY_BLOCKS",
     "DEFAULT_TOKEN_LOW",
     "DEFAULT_VOCAB_SIZE",
+    "AgenticWorkload",
     "Arrival",
     "BlockTokens",
     "BlockWorkload",

@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from kvmesh.errors import ConfigError
+from kvmesh.workload.agentic import AgenticWorkload
 from kvmesh.workload.mooncake import MooncakeTraceWorkload
 from kvmesh.workload.multi_turn import MultiTurnWorkload
 from kvmesh.workload.shared_prefix import SharedPrefixWorkload
@@ -40,6 +41,7 @@ _KINDS = {
     "multi_turn": MultiTurnWorkload,
     "mooncake": MooncakeTraceWorkload,
     "mooncake_trace": MooncakeTraceWorkload,
+    "agentic": AgenticWorkload,
 }
 
 
@@ -53,7 +55,7 @@ def load_workload(source: str | Path | Mapping[str, Any]) -> Workload:
 
     and a flat one::
 
-        type: shared_prefix          # or multi_turn, mooncake
+        type: shared_prefix          # or multi_turn, mooncake, agentic
         num_groups: 150
         stages: [{rate: 15, duration: 50}]
         arrival: poisson

@@ -55,6 +55,12 @@ class RequestSpec:
     """The same prompt as a chain of shared token blocks (trace replays), for consumers that work
     block by block and need not hold the tokens (the simulator, through
     :meth:`BlockWorkload.block_requests`, where ``prompt_token_ids`` is left empty)."""
+    gap_after_previous_s: float | None = None
+    """Think time: the request is sent this many seconds after the previous request of its session
+    finished (or at ``arrival_s`` if that is later). ``None``: sent at ``arrival_s``, or when the
+    previous request of its session finished if that is later. Workloads that set it give later
+    turns an ``arrival_s`` no later than any send time they can have (the session's start plus the
+    gaps before them), so that ``arrival_s`` only orders the stream."""
 
 
 class Workload(Protocol):
