@@ -10,6 +10,9 @@
   share of what an ideal fleet-wide cache could have served that the fleet did serve.
 - Queue = ``vllm:num_requests_waiting`` sampled from every engine's ``/metrics``; ``queue_mean`` is the
   mean per engine, ``queue_max`` the largest single sample.
+- Shed = requests the router's flow control refused (HTTP 429, or ``shed_429`` in the simulator):
+  counted apart from ``num_failed``; timeouts (the client gave up) are failures, also counted alone.
+  Latencies are over completed requests only.
 """
 
 from __future__ import annotations
@@ -20,6 +23,13 @@ from typing import Any
 
 import msgspec
 import numpy as np
+
+SHED_ERROR = "shed_429"
+"""``RequestResult.error`` of a request the router's flow control refused (the simulator's; a live
+run records the router's ``HTTP 429: ...`` answer)."""
+TIMEOUT_ERROR = "timeout"
+"""``RequestResult.error`` of a request the simulated client gave up on (a live run records
+``TimeoutError: ...``)."""
 
 
 @dataclass(slots=True)
@@ -50,6 +60,20 @@ class RequestResult:
     @property
     def end_s(self) -> float:
         return self.send_s + (self.e2e_s or 0.0)
+
+    @property
+    def shed(self) -> bool:
+        """Refused by the router's flow control (429): the fleet was saturated."""
+        error = self.error
+        return not self.ok and error is not None and (error == SHED_ERROR or error.startswith("HTTP 429"))
+
+    @property
+    def timed_out(self) -> bool:
+        """The client gave up waiting."""
+        error = self.error
+        return (
+            not self.ok and error is not None and (error == TIMEOUT_ERROR or error.startswith("TimeoutError"))
+        )
 
 
 @dataclass(slots=True)
@@ -111,6 +135,10 @@ class Summary:
     queue_max: float = 0.0
     stage: int | None = None
     offered_rate: float | None = None
+    num_shed: int = 0
+    """Refused by the router's flow control (429); not in ``num_failed``."""
+    num_timeouts: int = 0
+    """Failed requests the client gave up on (part of ``num_failed``)."""
 
 
 def _queue_stats(samples: Sequence[QueueSample], start: float, end: float) -> tuple[float, float]:
@@ -142,10 +170,11 @@ def summarize(
     reusable = sum(r.reusable_prefix_len for r in ok)
     output = sum(r.output_tokens for r in ok)
     queue_mean, queue_max = _queue_stats(queue, start, end)
+    num_shed = sum(1 for r in results if r.shed)
     return Summary(
         num_requests=len(results),
         num_ok=len(ok),
-        num_failed=len(results) - len(ok),
+        num_failed=len(results) - len(ok) - num_shed,
         duration_s=duration,
         request_throughput=len(ok) / duration if duration else 0.0,
         output_throughput=output / duration if duration else 0.0,
@@ -163,6 +192,8 @@ def summarize(
         queue_max=queue_max,
         stage=stage,
         offered_rate=offered_rate,
+        num_shed=num_shed,
+        num_timeouts=sum(1 for r in results if r.timed_out),
     )
 
 

@@ -75,8 +75,10 @@ def summary_table(run: RunResult, *, title: str | None = None) -> Table:
 
 
 def compare_table(runs: Mapping[str, RunResult], *, title: str = "scheduler comparison") -> Table:
-    """llm-d's comparison table, one row per labelled run."""
+    """llm-d's comparison table, one row per labelled run (a ``shed`` column when a router's flow
+    control refused requests: those are not in ``failed``, and latencies are over completed ones)."""
     table = Table(title=title)
+    shed = any(run.summary.num_shed for run in runs.values())
     for col in (
         "scheduler",
         "output tok/s",
@@ -87,6 +89,7 @@ def compare_table(runs: Mapping[str, RunResult], *, title: str = "scheduler comp
         "queue mean",
         "hit rate",
         "failed",
+        *(("shed (429)",) if shed else ()),
     ):
         table.add_column(col, justify="right")
     if any(run.warmup_stages for run in runs.values()):
@@ -103,6 +106,7 @@ def compare_table(runs: Mapping[str, RunResult], *, title: str = "scheduler comp
             f"{s.queue_mean:.1f}",
             f"{s.hit_rate:.3f}",
             str(s.num_failed),
+            *((str(s.num_shed),) if shed else ()),
         )
     return table
 

@@ -81,7 +81,49 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
         "(default 1; with --preset, the preset's)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--flow-control",
+        action="store_true",
+        help="the router's flow control: requests wait in the router while every replica is saturated "
+        "and fail as shed_429 past the deadline (implied by the three options below)",
+    )
+    p.add_argument(
+        "--max-predicted-ttft",
+        type=float,
+        default=None,
+        metavar="S",
+        help="flow control: saturated when every replica's predicted TTFT is above S (default 10)",
+    )
+    p.add_argument(
+        "--queue-deadline",
+        type=float,
+        default=None,
+        metavar="S",
+        help="flow control: seconds a request may wait in the router before it is shed (default 30)",
+    )
+    p.add_argument(
+        "--max-in-flight-per-replica",
+        type=int,
+        default=None,
+        metavar="N",
+        help="flow control: also saturated when every replica has N requests in flight (default off)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def _flow_control(args: argparse.Namespace) -> Any:
+    """The ``FlowControlConfig`` the flags ask for, or ``None`` (flow control off)."""
+    from kvmesh.router.flow_control import FlowControlConfig
+
+    given = {
+        "max_predicted_ttft_seconds": args.max_predicted_ttft,
+        "max_queue_wait_seconds": args.queue_deadline,
+        "max_in_flight_per_endpoint": args.max_in_flight_per_replica,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    if not args.flow_control and not given:
+        return None
+    return FlowControlConfig(**given)
 
 
 def _base_config(args: argparse.Namespace, num_replicas: int, policy: Any) -> Any:
@@ -102,6 +144,7 @@ def _base_config(args: argparse.Namespace, num_replicas: int, policy: Any) -> An
         gpu_hour_usd=args.gpu_hour_usd,
         gateways=1 if args.gateways is None else args.gateways,
         seed=args.seed,
+        flow_control=_flow_control(args),
     )
 
 
@@ -148,6 +191,9 @@ def _run(args: argparse.Namespace) -> int:
             configs = {p: scenario.fleet_for(p) for p in policies}
             if args.gateways is not None:
                 configs = {p: dataclasses.replace(c, gateways=args.gateways) for p, c in configs.items()}
+            flow = _flow_control(args)
+            if flow is not None:
+                configs = {p: dataclasses.replace(c, flow_control=flow) for p, c in configs.items()}
         else:
             workload = _workload(args)
             if workload is None or not args.replicas:

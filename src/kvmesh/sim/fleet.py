@@ -17,10 +17,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.bench.metrics import TIMEOUT_ERROR
 from kvmesh.core.types import PodId
 from kvmesh.engine.cost_model import CostModel, CostPreset, get_preset
 from kvmesh.engine.prefix_cache import PrefixCache
 from kvmesh.errors import ConfigError
+from kvmesh.router.flow_control import FlowControlConfig
+from kvmesh.sim.flow import SimFlowControl
 from kvmesh.sim.ideal_cache import IdealCacheResult, IdealSharedCache
 from kvmesh.sim.loop import EventLoop
 from kvmesh.sim.prompt_keys import PromptKeys
@@ -72,6 +75,9 @@ class FleetConfig:
             They share the event-fed index (each subscribes to every engine); each keeps its own
             plugin state, so an approximate scorer's routing history is split between them.
         seed: seeds the scheduler's randomness.
+        flow_control: the router's flow control (requests wait in each gateway while every
+            replica is saturated, and fail with ``shed_429`` past the deadline); ``None``: off, as
+            the calibrated presets run. See :mod:`kvmesh.sim.flow`.
     """
 
     num_replicas: int
@@ -97,6 +103,7 @@ class FleetConfig:
     drain_stages: bool = False
     gateways: int = 1
     seed: int = 0
+    flow_control: FlowControlConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_replicas <= 0:
@@ -140,6 +147,8 @@ class FleetRun:
     cost: CostModel
     ideal: IdealCacheResult
     """The yardstick: one shared prefix cache of the fleet's total KV, fed the same requests."""
+    flow: SimFlowControl | None = None
+    """The router's flow control, when it ran (its counters and queue waits)."""
 
 
 class FleetSimulation:
@@ -203,6 +212,12 @@ class FleetSimulation:
             metrics_interval_s=config.metrics_interval_s,
             gateways=config.gateways,
         )
+        flow = config.flow_control
+        self._flow = (
+            None
+            if flow is None or not flow.enabled
+            else SimFlowControl(flow, self.router, self.loop, self._route, self._on_done)
+        )
         self._keys = PromptKeys(self.replicas[0].cache.hasher)
         self._ideal = IdealSharedCache(capacity * config.num_replicas, config.block_size)
         self._done: list[SimRequest] = []
@@ -245,6 +260,8 @@ class FleetSimulation:
 
     def _on_done(self, req: SimRequest) -> None:
         self.router.done(req)
+        if self._flow is not None:
+            self._flow.wake()
         if self.config.drain_stages:
             self._stage_done(req.stage)
         if self.config.max_in_flight is not None:
@@ -360,16 +377,24 @@ class FleetSimulation:
         if req.finish >= 0:
             return
         if req.replica < 0:
-            req.failed = "timeout"
+            if self._flow is not None:
+                self._flow.remove(req)
+            req.failed = TIMEOUT_ERROR
             req.finish = self.loop.now
             self._on_done(req)
             return
-        self.replicas[req.replica].abort(req, "timeout")
+        self.replicas[req.replica].abort(req, TIMEOUT_ERROR)
 
     def _dispatch(self, req: SimRequest) -> None:
         if req.finish >= 0:
             return
-        replica = self.router.route(req, self.loop.now)
+        if self._flow is not None and not self._flow.admit(req):
+            return  # queued in its gateway (routed later) or shed
+        self._route(req)
+
+    def _route(self, req: SimRequest) -> None:
+        gateway = None if self._flow is None else req.gateway
+        replica = self.router.route(req, self.loop.now, gateway)
         if replica is None:
             req.failed = "no endpoint"
             req.finish = self.loop.now
@@ -439,6 +464,7 @@ class FleetSimulation:
             num_events=self.loop.num_events,
             cost=self.cost,
             ideal=self._ideal.result(),
+            flow=self._flow,
         )
 
 

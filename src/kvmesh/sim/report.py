@@ -10,6 +10,9 @@ measured one. Two figures are computed here instead:
 - Fleet figures the bench cannot see: per-replica utilisation (busy fraction, mean KV usage),
   prompt tokens served by tier, bytes moved to and from the shared tier, and the hit rate against
   the ideal shared cache of the fleet's total KV (:mod:`kvmesh.sim.ideal_cache`).
+- With the router's flow control on: requests that waited in it, how long, and how many it shed
+  (``shed_429``: the summary's ``num_shed``, apart from ``num_failed`` and ``num_timeouts``; TTFT and
+  the other latencies are over completed requests, queue wait included).
 """
 
 from __future__ import annotations
@@ -117,6 +120,24 @@ class NetworkReport:
 
 
 @dataclass(slots=True)
+class FlowReport:
+    """The router's flow control over the run (every gateway together)."""
+
+    num_admitted: int
+    """Routed at once."""
+    num_queued: int
+    """Had to wait."""
+    num_dispatched: int
+    """Waited, then were routed."""
+    num_shed: int
+    """Refused (``shed_429``): past the deadline, or the queue was full."""
+    num_removed: int
+    """The client gave up while they waited (counted as timeouts)."""
+    wait: Dist
+    """Seconds queued, over the requests that waited and were routed."""
+
+
+@dataclass(slots=True)
 class SimReport:
     """A simulated run in the bench's terms plus the fleet's own figures."""
 
@@ -139,6 +160,8 @@ class SimReport:
     stage_kv_peak: list[float] = field(default_factory=list)
     """Per entry of ``run.stages``: the highest KV usage (0..1) any replica was sampled at (every
     ``queue_sample_interval_s``), from the stage's first arrival to the next stage's, drain included."""
+    flow: FlowReport | None = None
+    """The router's flow control (``None``: off)."""
 
     @property
     def summary(self) -> Summary:
@@ -171,6 +194,7 @@ class SimReport:
                     "hit_rate": self.ideal.hit_rate,
                 },
                 "hit_rate_vs_ideal": self.hit_rate_vs_ideal,
+                "flow_control": None if self.flow is None else msgspec.to_builtins(self.flow),
             }
         )
         return out
@@ -280,6 +304,22 @@ def build_report(run: FleetRun, label: str | None = None) -> SimReport:
         num_preemptions=sum(x.num_preemptions for x in replicas),
         ideal=run.ideal,
         stage_kv_peak=_stage_kv_peak(run, stages),
+        flow=_flow(run),
+    )
+
+
+def _flow(run: FleetRun) -> FlowReport | None:
+    flow = run.flow
+    if flow is None:
+        return None
+    stats = flow.stats()
+    return FlowReport(
+        num_admitted=stats.num_admitted,
+        num_queued=stats.num_queued,
+        num_dispatched=stats.num_dispatched,
+        num_shed=stats.num_shed_deadline + stats.num_shed_full,
+        num_removed=stats.num_removed,
+        wait=Dist.of(flow.waits),
     )
 
 

@@ -19,6 +19,7 @@ from kvmesh.core.events import KVEvent
 from kvmesh.core.hashing import HashAlgo
 from kvmesh.core.types import PodId
 from kvmesh.errors import ConfigError
+from kvmesh.router.flow_control import SaturationDetector
 from kvmesh.router.index import InMemoryIndex
 from kvmesh.router.ingest import EventApplier
 from kvmesh.router.plugins.registry import attention_context_of
@@ -169,11 +170,32 @@ class SimRouter:
                 state.kv_cache_usage = usage
         self._scraped_at = now
 
-    def route(self, req: SimRequest, now: float) -> SimReplica | None:
-        """Pick the replica for ``req``; ``None`` if the scheduler finds no endpoint."""
+    def next_gateway(self) -> int:
+        """The gateway the load balancer sends the next request to."""
+        return 0 if len(self.schedulers) == 1 else self._balancer.randrange(len(self.schedulers))
+
+    def saturated(self, req: SimRequest, gateway: int, now: float, detector: SaturationDetector) -> bool:
+        """Whether every replica is saturated for ``req`` in ``gateway``'s view (flow control)."""
         if now - self._scraped_at >= self.metrics_interval_s:
             self._scrape(now)
-        gateway = 0 if len(self.schedulers) == 1 else self._balancer.randrange(len(self.schedulers))
+        self._settle_first_tokens(gateway, now)
+        prefix = match_prefix_keys(self.index, req.keys, len(req.keys), self.block_size)
+        # the estimate reads the prompt's length and its matched prefix only: no token list is built
+        request = RoutingRequest(req.request_id, range(req.prompt_len), self.namespace, prefix=prefix)
+        return detector.saturated(self.schedulers[gateway], request, self._states[gateway])
+
+    def route(self, req: SimRequest, now: float, gateway: int | None = None) -> SimReplica | None:
+        """Pick the replica for ``req``; ``None`` if the scheduler finds no endpoint.
+
+        Args:
+            req: the request.
+            now: virtual time.
+            gateway: the router replica that routes it (``None``: the load balancer picks one).
+        """
+        if now - self._scraped_at >= self.metrics_interval_s:
+            self._scrape(now)
+        if gateway is None:
+            gateway = self.next_gateway()
         scheduler, states = self.schedulers[gateway], self._states[gateway]
         self._settle_first_tokens(gateway, now)
         prefix = match_prefix_keys(self.index, req.keys, len(req.keys), self.block_size)
