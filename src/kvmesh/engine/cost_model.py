@@ -69,6 +69,12 @@ class ModelSpec:
         """FLOPs for one (query, key) pair over all layers: QK^T and AV, 2 FLOPs per MAC."""
         return 4 * self.num_layers * self.num_heads * self.head_dim
 
+    @property
+    def attention_context_tokens(self) -> float:
+        """Context at which attention doubles a prefill token's cost: ``2P`` over the FLOPs per
+        (query, key) pair (about 30k tokens for Qwen3-32B, 27k for Llama-3.1-8B)."""
+        return 2.0 * self.num_params / self.attention_flops_per_pair
+
     def kv_layout(self) -> KVLayout:
         dtype = "bfloat16" if self.kv_bytes_per_element == 2 else "float32"
         return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, dtype)

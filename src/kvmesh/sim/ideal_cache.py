@@ -1,8 +1,9 @@
 """The yardstick of a simulated fleet: one shared prefix cache as large as all its replicas together.
 
-Requests are fed in workload order, with no timing: each one's prompt is matched against the cache
-as a prefix of block keys (consecutive from its first block, as every tier matches), then all its
-full blocks become the most recently used, tail first so that a prompt's head is evicted last
+Requests are fed in the order the client sends them (a session's turn once the previous one
+finished), with no timing: each one's prompt is matched against the cache as a prefix of block
+keys (consecutive from its first block, as every tier matches), then all its full blocks become
+the most recently used, tail first so that a prompt's head is evicted last
 (as the device tier frees them). Hits follow the replicas' rule that the prompt's last token is
 always computed: at most ``(prompt_len - 1) // block_size`` blocks count.
 

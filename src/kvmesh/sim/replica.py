@@ -302,6 +302,8 @@ class SimReplica:
         self.scheduler.make_room()
         self._account_usage(now)
         events = self.cache.take_events()
+        if self.tiers.enabled:
+            events += self.tiers.take_events()  # after the device tier's: they name its blocks
         if events:
             self.on_events(self.pod, events)
         self._start_step()

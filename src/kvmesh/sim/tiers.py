@@ -9,6 +9,11 @@ first chunk no tier holds.
 Reads from the shared tier cross the store's NIC and the replica's NIC (:mod:`kvmesh.sim.network`),
 so their time includes queueing behind other transfers; writes (write-through after a prefill, off
 the request's path) load the opposite directions. CPU reads cost ``CostModel.kv_load_time(n, "CPU")``.
+
+The CPU tier announces what it holds as vLLM's CPU offloading does: a BlockStored without tokens,
+``medium: CPU``, naming device-tier blocks the replica announced before (so the router adds the CPU
+tier to blocks it knows), and a BlockRemoved ``medium: CPU`` when a chunk is evicted. The router then
+prices a session spilled to a replica's CPU tier at its load time there, not as a miss.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvmesh.core.events import BlockRemoved, BlockStored, KVEvent
 from kvmesh.core.types import BlockKey, Medium
 from kvmesh.engine.cost_model import CostModel
-from kvmesh.engine.prefix_cache import PrefixCache
+from kvmesh.engine.prefix_cache import PrefixCache, engine_block_hash
 from kvmesh.sim.network import Link, path_transfer
 
 
@@ -29,21 +35,26 @@ def _chunk_cache(capacity_tokens: int, chunk_size: int, medium: Medium) -> Prefi
     return cache
 
 
-def _insert(cache: PrefixCache, owner: str, keys: list[BlockKey], tokens: Sequence[int]) -> int:
-    """Cache ``keys`` (chunk keys from the prompt's start) as most recently used; returns chunks added."""
+def _insert(
+    cache: PrefixCache, owner: str, keys: list[BlockKey], tokens: Sequence[int]
+) -> tuple[int, list[KVEvent]]:
+    """Cache ``keys`` (chunk keys from the prompt's start) as most recently used.
+
+    Returns:
+        Chunks added (the ``n`` keys after the ones the cache held) and the cache's events.
+    """
     keys = keys[: cache.capacity_blocks]
     have = cache.match(keys)
     if have:
         _touch(cache, owner, keys[:have])
     if have == len(keys):
-        return 0
+        return 0, []
     alloc = cache.allocate(owner, keys, have, len(keys) - have)
     if alloc is None:
-        return 0
+        return 0, []
     added = cache.cache_blocks(alloc, keys, tokens) - have
     cache.free(alloc)
-    cache.take_events()
-    return added
+    return added, cache.take_events()
 
 
 def _touch(cache: PrefixCache, owner: str, keys: list[BlockKey]) -> None:
@@ -130,6 +141,46 @@ class TierStack:
         self.tx = Link(rate, latency)
         self.stats = TierStats()
         self.enabled = self.cpu is not None or shared is not None
+        self._events: list[KVEvent] = []
+        self._cpu_blocks: dict[int, list[int]] = {}
+        """Engine hash of each CPU chunk's key → engine hashes of its device blocks."""
+
+    def take_events(self) -> list[KVEvent]:
+        """The CPU tier's announcements since the last call (for the router, as the device tier's)."""
+        events, self._events = self._events, []
+        return events
+
+    def _announce_cpu(self, block_keys: list[BlockKey], events: list[KVEvent], have: int, added: int) -> None:
+        """Turn the CPU chunk cache's own events into device-block announcements: evicted chunks'
+        blocks leave the CPU tier, chunks ``[have, have + added)`` of the prompt join it."""
+        per = self.blocks_per_chunk
+        held = self._cpu_blocks
+        out = self._events
+        for ev in events:
+            if isinstance(ev, BlockRemoved):
+                gone: list[int] = []
+                for h in ev.block_hashes:
+                    blocks = held.pop(h, None) if isinstance(h, int) else None
+                    if blocks is not None:
+                        gone.extend(blocks)
+                if gone:
+                    out.append(BlockRemoved(block_hashes=gone, medium=Medium.CPU.value))
+        if added <= 0:
+            return
+        stored: list[int] = []
+        for c in range(have, have + added):
+            chunk_blocks = [engine_block_hash(k) for k in block_keys[c * per : (c + 1) * per]]
+            held[engine_block_hash(block_keys[(c + 1) * per - 1])] = chunk_blocks
+            stored.extend(chunk_blocks)
+        out.append(
+            BlockStored(
+                block_hashes=stored,
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=self.chunk_size // per,
+                medium=Medium.CPU.value,
+            )
+        )
 
     def chunk_keys(self, block_keys: list[BlockKey]) -> list[BlockKey]:
         """Store chunk keys of a prompt from its device-tier block keys."""
@@ -196,11 +247,14 @@ class TierStack:
         if not chunks:
             return 0
         if self.cpu is not None:
-            self.stats.cpu_write_chunks += _insert(self.cpu, self.name, chunks, tokens)
+            have = self.cpu.match(chunks)
+            added, events = _insert(self.cpu, self.name, chunks, tokens)
+            self.stats.cpu_write_chunks += added
+            self._announce_cpu(block_keys, events, have, added)
         shared = self.shared
         if shared is None:
             return 0
-        added = _insert(shared.cache, self.name, chunks, tokens)
+        added, _ = _insert(shared.cache, self.name, chunks, tokens)
         if not added:
             return 0
         num_bytes = added * self.chunk_size * self.kv_bytes_per_token
