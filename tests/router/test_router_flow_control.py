@@ -17,6 +17,7 @@ from kvmesh.router.flow_control import (
     TicketState,
 )
 from kvmesh.router.index import InMemoryIndex
+from kvmesh.router.plugins.scorers import TTFTEstimateScorer
 from kvmesh.router.scheduler import Scheduler, load_scheduler_config
 from kvmesh.router.types import EndpointState, RoutingRequest
 
@@ -219,12 +220,18 @@ def busy(pod: str, pending: int, **kwargs: object) -> EndpointState:
     return state
 
 
-def test_predicted_ttft_is_the_best_endpoint_estimate():
+def test_predicted_ttfts_are_the_profile_estimates_per_endpoint():
     sched = scheduler("precise")
     states = [busy("a", 80_000), busy("b", 16_000), EndpointState("c", healthy=False)]
-    best = sched.predicted_ttft(request(160), states)
-    assert best == pytest.approx((16_000 + 160) / 8000)
-    assert scheduler("load").predicted_ttft(request(), states) is None
+    req = request(160)
+    predicted = sched.predicted_ttfts(req, states)
+    (estimator,) = [
+        w.scorer for w in sched.profiles["default"].scorers if isinstance(w.scorer, TTFTEstimateScorer)
+    ]
+    assert predicted == {"a": estimator.estimate(req, states[0]), "b": estimator.estimate(req, states[1])}
+    assert predicted["b"] == pytest.approx((16_000 + 160) / 8000, rel=0.01)
+    assert predicted["b"] < predicted["a"]
+    assert scheduler("load").predicted_ttfts(request(), states) is None
 
 
 def test_saturated_when_every_endpoint_predicts_above_the_bound():
@@ -261,3 +268,26 @@ def test_load_criterion_for_profiles_without_a_ttft_estimate():
     one_free = [EndpointState("a", in_flight=4, waiting=2), EndpointState("b", in_flight=3, waiting=1)]
     assert not by_flight.saturated(sched, request(), one_free)
     assert not by_waiting.saturated(sched, request(), one_free)
+
+
+def test_admissible_endpoints_are_those_below_the_bounds_or_idle():
+    sched = scheduler("load")
+    detector = SaturationDetector(FlowControlConfig(max_in_flight_per_endpoint=4))
+    a, b, c = (
+        EndpointState("a", in_flight=4),
+        EndpointState("b", in_flight=2),
+        EndpointState("c", in_flight=9),
+    )
+    assert detector.admissible(sched, request(), [a, b, c]) == [b]
+    b.in_flight = 4
+    assert detector.admissible(sched, request(), [a, b, c]) == []
+    # with no bound set (the default), routing sees every healthy endpoint
+    plain = SaturationDetector(FlowControlConfig())
+    assert plain.admissible(sched, request(), [a, b, c, EndpointState("d", healthy=False)]) == [a, b, c]
+    # past the TTFT bound only idle endpoints take work
+    ttft = SaturationDetector(FlowControlConfig(max_predicted_ttft_seconds=1.0))
+    busy_a, idle = busy("a", 90_000), EndpointState("b", seconds_per_prefill_token=1 / 8000)
+    assert ttft.admissible(scheduler("precise"), request(20_000), [busy_a, idle]) == [idle]
+    # within the bound are routed among; an endpoint predicted above it is left out
+    busy_b = busy("c", 4_000)
+    assert ttft.admissible(scheduler("precise"), request(), [busy_a, idle, busy_b]) == [idle, busy_b]

@@ -22,7 +22,9 @@ ONE_AT_A_TIME = {"maxInFlightPerEndpoint": 1, "maxQueueWaitSeconds": 10}
 
 
 @contextlib.asynccontextmanager
-async def gateway(engines: list[FakeEngine], flow: dict[str, Any] | None, policy: str = "load"):
+async def gateway(
+    engines: list[FakeEngine], flow: dict[str, Any] | None, policy: str = "load", **overrides: Any
+):
     raw: dict[str, Any] = {
         "endpoints": [{"url": e.url} for e in engines],
         "policy": policy,
@@ -31,6 +33,7 @@ async def gateway(engines: list[FakeEngine], flow: dict[str, Any] | None, policy
     }
     if flow is not None:
         raw["flowControl"] = flow
+    raw.update(overrides)
     gw = Gateway(router_config_from_dict(raw))
     client = TestClient(TestServer(gw.app))
     await client.start_server()
@@ -254,3 +257,25 @@ async def test_default_config_does_not_hold_back_below_saturation(engines):
         results = await asyncio.gather(*(post(client, i) for i in range(40)))
         assert all(r.status == 200 and r.headers[QUEUE_WAIT_HEADER] == "0" for r, _ in results)
         assert gw.flow_gate.controller.stats.num_queued == 0
+
+
+async def test_requests_let_through_go_only_to_endpoints_below_the_bound(engines):
+    es = await engines(2)
+    preferred, other = es
+    other.waiting = 50  # the queue scorer alone would send everything to `preferred`
+    preferred.gate = asyncio.Event()
+    scheduler = {
+        "plugins": [{"type": "queue-scorer"}, {"type": "max-score-picker"}],
+        "schedulingProfiles": [
+            {"name": "default", "plugins": [{"pluginRef": "queue-scorer"}, {"pluginRef": "max-score-picker"}]}
+        ],
+    }
+    async with gateway(es, ONE_AT_A_TIME, scheduler=scheduler) as (gw, client):
+        await wait_for(lambda: gw.pool.get(other.url).state.waiting == 50)  # type: ignore[union-attr]
+        first = asyncio.ensure_future(post(client, 0))
+        await wait_for(lambda: len(preferred.received) == 1)
+        # `preferred` is at its bound (and holds its request): the other one takes this one
+        resp, _ = await asyncio.wait_for(post(client, 1), timeout=5)
+        assert resp.status == 200 and resp.headers["x-kvmesh-endpoint"] == other.url
+        preferred.gate.set()
+        await first

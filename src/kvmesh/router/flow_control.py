@@ -23,13 +23,14 @@ request count), so a tenant flooding the queue delays each other tenant by at mo
 requests per turn. Arrivals never overtake what is already queued at their priority or above;
 a higher-priority arrival that fits goes straight through.
 
-Saturation (:class:`SaturationDetector`) is asked per request: every healthy endpoint's predicted
-time to first token is above ``maxPredictedTtftSeconds`` (profiles with a ``ttft-estimate-scorer``),
-or every healthy endpoint is at ``maxWaitingPerEndpoint`` / ``maxInFlightPerEndpoint`` (when set).
-Only work the router has dispatched counts toward an endpoint's load (queued requests are in no
-ledger and no engine queue), so the estimate falls as endpoints drain and the queue cannot starve
-itself; an endpoint with none of this router's requests in flight is never saturated, so an idle
-fleet always takes the head of the queue, however long its prompt.
+Saturation (:class:`SaturationDetector`) is asked per request: every healthy endpoint is at
+``maxWaitingPerEndpoint`` / ``maxInFlightPerEndpoint`` (when set) or predicts a time to first token
+above ``maxPredictedTtftSeconds`` for it (profiles with a ``ttft-estimate-scorer``). A request let
+through is routed only among the endpoints within those bounds. Only work the router
+has dispatched counts toward an endpoint's load (queued requests are in no ledger and no engine
+queue), so the estimate falls as endpoints drain and the queue cannot starve itself; an endpoint
+with none of this router's requests in flight is never saturated, so an idle endpoint always takes
+the head of the queue, however long its prompt.
 """
 
 from __future__ import annotations
@@ -418,7 +419,7 @@ class FlowController(Generic[T]):
 
 
 class SaturationDetector:
-    """Whether any endpoint can take a request now, by the flow-control config's tests.
+    """Which endpoints can take a request now, by the flow-control config's tests.
 
     Args:
         config: the thresholds.
@@ -427,15 +428,18 @@ class SaturationDetector:
     def __init__(self, config: FlowControlConfig) -> None:
         self.config = config
 
-    def saturated(
+    def admissible(
         self, scheduler: Scheduler, request: RoutingRequest, endpoints: list[EndpointState]
-    ) -> bool:
-        """``True`` when every healthy endpoint is saturated for ``request``.
+    ) -> list[EndpointState]:
+        """The healthy endpoints ``request`` may be routed to now; empty when the fleet is saturated.
 
-        An endpoint with none of the router's requests in flight never is. Otherwise the fleet is
-        saturated when the scheduler's best predicted TTFT is above the bound (profiles that
-        predict one, once a speed is learned unless ``requireLearnedSpeed`` is off), or when every
-        healthy endpoint is at the waiting or in-flight bound (those that are set).
+        Endpoints at ``maxWaitingPerEndpoint`` or ``maxInFlightPerEndpoint`` (those that are set)
+        are left out, and so are those whose predicted TTFT for the request is above
+        ``maxPredictedTtftSeconds`` (profiles that predict one, once a speed is learned unless
+        ``requireLearnedSpeed`` is off). When that leaves none, endpoints with none of the router's
+        requests in flight are still admissible: an idle endpoint always takes work, however long
+        the prompt. Below saturation, with no load bound set, this is every healthy endpoint whose
+        prediction is within the bound (all of them, with the default 10 s).
 
         Args:
             scheduler: predicts TTFT with its deciding profile (fills ``request.prefix`` when
@@ -444,23 +448,37 @@ class SaturationDetector:
             endpoints: every endpoint's state; unhealthy ones are ignored.
 
         Returns:
-            Whether the request should wait. No healthy endpoint is not saturation (routing
-            answers that).
+            The endpoints to route among (the same state objects). No healthy endpoint at all
+            gives every endpoint back, so that routing answers it (as without flow control).
         """
-        cfg = self.config
         healthy = [e for e in endpoints if e.healthy]
-        if not healthy or any(e.in_flight == 0 for e in healthy):
-            return False
+        if not healthy:
+            return endpoints
+        cfg = self.config
         max_waiting, max_in_flight = cfg.max_waiting_per_endpoint, cfg.max_in_flight_per_endpoint
-        if (max_waiting or max_in_flight) and all(
-            (max_waiting and e.waiting >= max_waiting) or (max_in_flight and e.in_flight >= max_in_flight)
-            for e in healthy
-        ):
-            return True
+        room = healthy
+        if max_waiting or max_in_flight:
+            room = [
+                e
+                for e in room
+                if not (max_waiting and e.waiting >= max_waiting)
+                and not (max_in_flight and e.in_flight >= max_in_flight)
+            ]
         bound = cfg.max_predicted_ttft_seconds
-        if bound <= 0:
-            return False
-        if cfg.require_learned_speed and not any(e.seconds_per_prefill_token > 0 for e in healthy):
-            return False
-        best = scheduler.predicted_ttft(request, healthy)
-        return best is not None and best > bound
+        if (
+            room
+            and bound > 0
+            and (not cfg.require_learned_speed or any(e.seconds_per_prefill_token > 0 for e in room))
+            and not all(e.in_flight == 0 for e in room)  # nothing ahead: its own prefill is no saturation
+        ):
+            predicted = scheduler.predicted_ttfts(request, room)
+            if predicted is not None:
+                room = [e for e in room if predicted.get(e.pod, math.inf) <= bound]
+        return room or [e for e in healthy if e.in_flight == 0]
+
+    def saturated(
+        self, scheduler: Scheduler, request: RoutingRequest, endpoints: list[EndpointState]
+    ) -> bool:
+        """``True`` when healthy endpoints exist and none is admissible for ``request`` (see
+        :meth:`admissible`); no healthy endpoint is routing's answer, not a reason to wait."""
+        return any(e.healthy for e in endpoints) and not self.admissible(scheduler, request, endpoints)

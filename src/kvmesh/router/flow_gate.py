@@ -88,6 +88,8 @@ class _Waiter:
     future: asyncio.Future[None] | None = None
     in_transit: bool = False
     """Let go from the queue and not yet routed."""
+    endpoints: list[EndpointState] | None = None
+    """Where it may be routed, as the last saturation check found (``None``: not checked)."""
 
 
 class FlowGate:
@@ -159,8 +161,8 @@ class FlowGate:
     ) -> Ticket[_Waiter]:
         """Let ``routing`` through now, after a wait in the queue, or not at all.
 
-        Call :meth:`release` once an ``ADMITTED`` or ``DISPATCHED`` request has been routed (or
-        failed to be).
+        Route an ``ADMITTED`` or ``DISPATCHED`` request among :meth:`endpoints_for` it, then call
+        :meth:`release` (also when routing failed).
 
         Args:
             routing: the request (``prefix`` set already when the index is remote).
@@ -197,6 +199,12 @@ class FlowGate:
                 self.release(ticket)
             raise
         return ticket
+
+    def endpoints_for(self, ticket: Ticket[_Waiter], states: list[EndpointState]) -> list[EndpointState]:
+        """The endpoints a request let through may be routed to: those below the load bounds
+        (or an idle one) when it was let through, else ``states``."""
+        allowed = ticket.item.endpoints
+        return states if allowed is None else allowed
 
     def release(self, ticket: Ticket[_Waiter]) -> None:
         """The request of ``ticket`` was routed: the queue's next request may be checked."""
@@ -246,10 +254,14 @@ class FlowGate:
     def _fits(self, waiter: _Waiter) -> bool:
         if self._in_transit:
             return False
+        states = self._states()
         try:
-            return not self.detector.saturated(self.scheduler, waiter.routing, self._states())
+            allowed = self.detector.admissible(self.scheduler, waiter.routing, states)
         except TierUnavailableError:
-            return True  # routing falls back to load; waiting would not bring the index back
+            allowed = states  # routing falls back to load; waiting would not bring the index back
+        waiter.endpoints = allowed
+        # no healthy endpoint at all is routing's answer (503), not a reason to wait
+        return bool(allowed) or not any(e.healthy for e in states)
 
     def _drain(self) -> None:
         self._drain_scheduled = False

@@ -53,7 +53,7 @@ from kvmesh.router.replies import error_response, json_response
 from kvmesh.router.request_parser import RequestParser
 from kvmesh.router.scheduler import Scheduler, load_scheduler_config
 from kvmesh.router.tokenize import CachedTokenizer, PromptTokenizer
-from kvmesh.router.types import Decision, PrefixMatch, RoutingRequest
+from kvmesh.router.types import Decision, EndpointState, PrefixMatch, RoutingRequest
 from kvmesh.router.write_behind import WriteBehindIndex
 
 logger = logging.getLogger(__name__)
@@ -320,7 +320,7 @@ class Gateway:
         )
         gate = self.flow_gate
         if gate is None:
-            decision = self._pick(routing, pool)
+            decision = self._pick(routing, pool.states())
             self.metrics.schedule_seconds.observe(time.perf_counter() - started)
             extra = None
         else:
@@ -342,7 +342,7 @@ class Gateway:
                 if ticket.state is TicketState.DISPATCHED:
                     # the index moved on while the request waited: match it again
                     routing.prefix = await self._match_off_loop(routing) if self.index_is_remote else None
-                decision = self._pick(routing, pool)
+                decision = self._pick(routing, gate.endpoints_for(ticket, pool.states()))
             finally:
                 gate.release(ticket)
             self.metrics.schedule_seconds.observe(time.perf_counter() - started - ticket.waited_s)
@@ -366,15 +366,16 @@ class Gateway:
         finally:
             gate.wake()
 
-    def _pick(self, routing: RoutingRequest, pool: EndpointPool) -> Decision | None:
-        """The scheduler's decision; by load alone when the remote index cannot be reached."""
+    def _pick(self, routing: RoutingRequest, endpoints: list[EndpointState]) -> Decision | None:
+        """The scheduler's decision among ``endpoints``; by load alone when the remote index cannot
+        be reached."""
         self.prefill_ledger.refresh(time.perf_counter())
         try:
-            return self.scheduler.pick(routing, pool.states())
+            return self.scheduler.pick(routing, endpoints)
         except TierUnavailableError as exc:
             logger.warning("index unavailable, routing by load: %s", exc)
             routing.prefix = PrefixMatch(0, self.config.block_size)
-            return self.scheduler.pick(routing, pool.states())
+            return self.scheduler.pick(routing, endpoints)
 
     async def _match_off_loop(self, routing: RoutingRequest) -> PrefixMatch:
         """:meth:`Scheduler.match` on a worker thread, for an index that does network I/O."""

@@ -231,8 +231,10 @@ class Scheduler:
         result = self._run(self.profiles[self._default_profile_name()], request, healthy)
         return None if result is None else result.ranked
 
-    def predicted_ttft(self, request: RoutingRequest, endpoints: list[EndpointState]) -> float | None:
-        """The lowest time to first token the deciding profile predicts for ``request``.
+    def predicted_ttfts(
+        self, request: RoutingRequest, endpoints: list[EndpointState]
+    ) -> dict[PodId, float] | None:
+        """The time to first token the deciding profile predicts for ``request`` on each endpoint.
 
         Flow control's saturation test: the deciding profile (the default one, or the decode
         profile of a P/D scheduler) filters the healthy ``endpoints`` and its first
@@ -243,8 +245,8 @@ class Scheduler:
             endpoints: current state of every known endpoint; unhealthy ones are skipped.
 
         Returns:
-            Seconds, or ``None`` when the profile has no ``ttft-estimate-scorer`` or no endpoint
-            passes its filters.
+            Seconds per endpoint that passes the profile's filters, or ``None`` when the profile has
+            no ``ttft-estimate-scorer``.
         """
         profile = self.profiles[
             self.pd.decode_profile if self.pd is not None else self._default_profile_name()
@@ -259,7 +261,7 @@ class Scheduler:
             if not candidates:
                 break
             candidates = flt.filter(request, candidates)
-        return min((estimator.estimate(request, e) for e in candidates), default=None)
+        return {e.pod: estimator.estimate(request, e) for e in candidates}
 
     def _prepare(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[EndpointState]:
         """Fill ``request.prefix`` from the index if needed; return the healthy endpoints."""

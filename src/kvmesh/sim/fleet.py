@@ -23,6 +23,7 @@ from kvmesh.engine.cost_model import CostModel, CostPreset, get_preset
 from kvmesh.engine.prefix_cache import PrefixCache
 from kvmesh.errors import ConfigError
 from kvmesh.router.flow_control import FlowControlConfig
+from kvmesh.router.types import EndpointState
 from kvmesh.sim.flow import SimFlowControl
 from kvmesh.sim.ideal_cache import IdealCacheResult, IdealSharedCache
 from kvmesh.sim.loop import EventLoop
@@ -388,13 +389,16 @@ class FleetSimulation:
     def _dispatch(self, req: SimRequest) -> None:
         if req.finish >= 0:
             return
-        if self._flow is not None and not self._flow.admit(req):
-            return  # queued in its gateway (routed later) or shed
-        self._route(req)
+        if self._flow is None:
+            self._route(req, None)
+            return
+        endpoints = self._flow.admit(req)
+        if endpoints is not None:  # else queued in its gateway (routed later) or shed
+            self._route(req, endpoints)
 
-    def _route(self, req: SimRequest) -> None:
-        gateway = None if self._flow is None else req.gateway
-        replica = self.router.route(req, self.loop.now, gateway)
+    def _route(self, req: SimRequest, endpoints: list[EndpointState] | None) -> None:
+        gateway = None if endpoints is None else req.gateway
+        replica = self.router.route(req, self.loop.now, gateway, endpoints)
         if replica is None:
             req.failed = "no endpoint"
             req.finish = self.loop.now

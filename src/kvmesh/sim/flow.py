@@ -25,6 +25,7 @@ from kvmesh.router.flow_control import (
     Ticket,
     TicketState,
 )
+from kvmesh.router.types import EndpointState
 from kvmesh.sim.loop import EventLoop
 from kvmesh.sim.replica import SimRequest
 from kvmesh.sim.routing import SimRouter
@@ -37,7 +38,8 @@ class SimFlowControl:
         config: the router's ``flowControl`` settings.
         router: answers the saturation test and routes what is let through.
         loop: virtual time.
-        dispatch: routes a request let through (its ``gateway`` is already chosen).
+        dispatch: routes a request let through among the given endpoint states of its gateway
+            (``req.gateway`` is already chosen).
         done: called with a request that was shed (``failed`` and ``finish`` set).
     """
 
@@ -46,7 +48,7 @@ class SimFlowControl:
         config: FlowControlConfig,
         router: SimRouter,
         loop: EventLoop,
-        dispatch: Callable[[SimRequest], None],
+        dispatch: Callable[[SimRequest, list[EndpointState]], None],
         done: Callable[[SimRequest], None],
     ) -> None:
         self.config = config
@@ -61,16 +63,18 @@ class SimFlowControl:
         self.waits: list[float] = []
         """Seconds queued, per request that waited and was then routed."""
         self._tickets: dict[int, Ticket[SimRequest]] = {}
+        self._allowed: list[EndpointState] = []
+        """Where the request the last saturation check let through may go."""
         self._ticking = False
         self._draining = False
         self._again = False
 
-    def admit(self, req: SimRequest) -> bool:
+    def admit(self, req: SimRequest) -> list[EndpointState] | None:
         """Offer ``req`` to its gateway's queue (``req.gateway`` is chosen here).
 
         Returns:
-            ``True`` when it may be routed now; ``False`` when it was queued (it is dispatched later)
-            or shed (already reported done).
+            The endpoint states to route it among now, or ``None`` when it was queued (it is
+            dispatched later) or shed (already reported done).
         """
         now = self.loop.now
         gateway = req.gateway = self.router.next_gateway()
@@ -78,16 +82,16 @@ class SimFlowControl:
             req, tenant=req.group or "", priority=0, now=now, fits=self._fits(gateway, now)
         )
         if ticket.state is TicketState.ADMITTED:
-            return True
+            return self._allowed
         if ticket.state is TicketState.SHED:
             self._shed(req, now)
-            return False
+            return None
         self._tickets[req.index] = ticket
         self.loop.call_at(ticket.deadline_s, self._expire)
         if not self._ticking:
             self._ticking = True
             self.loop.call_later(self.config.tick_seconds, self._tick)
-        return False
+        return None
 
     def remove(self, req: SimRequest) -> None:
         """The client gave up on ``req``: take it out of its queue if it is there."""
@@ -124,8 +128,11 @@ class SimFlowControl:
     # ------------------------------------------------------------------ internals
 
     def _fits(self, gateway: int, now: float) -> Callable[[SimRequest], bool]:
-        router, detector = self.router, self.detector
-        return lambda req: not router.saturated(req, gateway, now, detector)
+        def fits(req: SimRequest) -> bool:
+            self._allowed = self.router.admissible(req, gateway, now, self.detector)
+            return bool(self._allowed)
+
+        return fits
 
     def _drain_once(self) -> None:
         now = self.loop.now
@@ -138,7 +145,7 @@ class SimFlowControl:
                 req = ticket.item
                 del self._tickets[req.index]
                 self.waits.append(ticket.waited_s)
-                self._dispatch(req)
+                self._dispatch(req, self._allowed)
 
     def _shed_expired(self, ctrl: FlowController[SimRequest], now: float) -> None:
         for ticket in ctrl.expire(now):

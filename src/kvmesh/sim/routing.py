@@ -174,23 +174,32 @@ class SimRouter:
         """The gateway the load balancer sends the next request to."""
         return 0 if len(self.schedulers) == 1 else self._balancer.randrange(len(self.schedulers))
 
-    def saturated(self, req: SimRequest, gateway: int, now: float, detector: SaturationDetector) -> bool:
-        """Whether every replica is saturated for ``req`` in ``gateway``'s view (flow control)."""
+    def admissible(
+        self, req: SimRequest, gateway: int, now: float, detector: SaturationDetector
+    ) -> list[EndpointState]:
+        """The replicas flow control lets ``req`` go to in ``gateway``'s view (empty: saturated)."""
         if now - self._scraped_at >= self.metrics_interval_s:
             self._scrape(now)
         self._settle_first_tokens(gateway, now)
         prefix = match_prefix_keys(self.index, req.keys, len(req.keys), self.block_size)
         # the estimate reads the prompt's length and its matched prefix only: no token list is built
         request = RoutingRequest(req.request_id, range(req.prompt_len), self.namespace, prefix=prefix)
-        return detector.saturated(self.schedulers[gateway], request, self._states[gateway])
+        return detector.admissible(self.schedulers[gateway], request, self._states[gateway])
 
-    def route(self, req: SimRequest, now: float, gateway: int | None = None) -> SimReplica | None:
+    def route(
+        self,
+        req: SimRequest,
+        now: float,
+        gateway: int | None = None,
+        endpoints: list[EndpointState] | None = None,
+    ) -> SimReplica | None:
         """Pick the replica for ``req``; ``None`` if the scheduler finds no endpoint.
 
         Args:
             req: the request.
             now: virtual time.
             gateway: the router replica that routes it (``None``: the load balancer picks one).
+            endpoints: the gateway's endpoint states to choose among (``None``: all of them).
         """
         if now - self._scraped_at >= self.metrics_interval_s:
             self._scrape(now)
@@ -200,11 +209,12 @@ class SimRouter:
         self._settle_first_tokens(gateway, now)
         prefix = match_prefix_keys(self.index, req.keys, len(req.keys), self.block_size)
         request = RoutingRequest(req.request_id, req.tokens, self.namespace, prefix=prefix)
+        candidates = states if endpoints is None else endpoints
         if scheduler.pd is None:
-            ranked = scheduler.rank(request, states)
+            ranked = scheduler.rank(request, candidates)
             target = None if not ranked else ranked[0]
         else:
-            decision = scheduler.pick(request, states)
+            decision = scheduler.pick(request, candidates)
             target = None if decision is None else decision.endpoint
         if target is None:
             self.num_unroutable += 1
