@@ -16,8 +16,8 @@ def register(subparsers: Any) -> None:
         description=(
             "Start a fleet (two CPU engines of a tiny model, router, Redis or Valkey), drive steady load through the "
             "router, inject faults (shared tier killed and frozen, an engine killed, the router "
-            "restarted, corrupt chunks, fuzzed events and requests, two tenants, a soak) and check "
-            "each scenario's bounds. Exit code 1 when any bound fails."
+            "restarted, corrupt chunks, fuzzed events and requests, two tenants, an overload burst through "
+            "flow control, a soak) and check each scenario's bounds. Exit code 1 when any bound fails."
         ),
     )
     p.add_argument("--quick", action="store_true", help="the short run (about 3 minutes; 30 s soak)")

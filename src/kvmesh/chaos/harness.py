@@ -7,6 +7,7 @@
         1 shared tier dies   2 engine dies   3 router restarts   6 tenants   5 HTTP/event fuzz   7 soak
     4 corruption (store level, its own tiers; the Redis tier on the fleet's server), then corrupt
       chunks in the fleet's server under the engines (4b)
+    8 overload burst (its own emulated fleet, behind a router with flow control; the load paused)
 
 A scenario that raises is recorded as failed with its error, and the run goes on with the next.
 """
@@ -35,6 +36,7 @@ from kvmesh.chaos.fleet_faults import engine_dies, router_restarts, shared_tier_
 from kvmesh.chaos.fuzz_events import fuzz_event_frames
 from kvmesh.chaos.fuzz_http import malformed_http
 from kvmesh.chaos.load import SteadyLoad, chaos_prompts, num_failed, series
+from kvmesh.chaos.overload import overload_burst
 from kvmesh.chaos.report import ChaosReport
 from kvmesh.chaos.schedule import FULL, QUICK, FaultLog
 from kvmesh.chaos.soak import ROUTER_CONNECTIONS_PER_ENGINE, soak
@@ -50,6 +52,7 @@ SCENARIOS = (
     "fuzz_http",
     "corruption",
     "corruption_e2e",
+    "overload",
     "soak",
 )
 MODEL = "tiny-random-llama"
@@ -167,6 +170,7 @@ async def run_chaos(
             "fuzz_http": ("5b. malformed HTTP", lambda: malformed_http(ctx)),
             "corruption": ("4. corruption", lambda: corruption(durations.corrupt_chunks, fleet.store_url)),
             "corruption_e2e": ("4b. corruption under the engines", lambda: shared_tier_corruption(ctx)),
+            "overload": ("8. overload burst", lambda: overload_burst(ctx)),
             "soak": ("7. soak", lambda: soak(ctx)),
         }
         load.start()

@@ -30,6 +30,8 @@ class Durations:
     event_frames: int
     http_cases: int
     http_concurrency: int = 8
+    overload_burst_s: float = 4.0
+    """The overload scenario's burst at three times capacity."""
 
     def __post_init__(self) -> None:
         if self.soak_warmup_s >= self.soak_s:
@@ -59,6 +61,7 @@ FULL = Durations(
     corrupt_chunks=10_000,
     event_frames=100_000,
     http_cases=10_000,
+    overload_burst_s=15.0,
 )
 
 
