@@ -8,8 +8,8 @@ tokens and scraped gauges, as the live gateway's tick does); deadlines fire at t
 
 A request past its deadline fails with ``shed_429`` (the live router's 429), which the report
 counts apart from failures and timeouts. The simulated requests carry no tenant or priority: the
-tenant is the workload's ``group`` (a shared-prefix group, a trace's conversation group; ``""``
-when it has none) and every request has priority 0.
+tenant is the workload's ``group`` (a shared-prefix group, a multi-turn conversation, an agentic
+session; ``""`` when it has none, as trace requests) and every request has priority 0.
 """
 
 from __future__ import annotations
