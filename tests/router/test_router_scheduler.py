@@ -260,7 +260,12 @@ def test_ttft_estimate_weighs_each_prompt_token_by_its_position():
 
 def test_the_ledger_weighs_work_as_the_ttft_scorer_of_its_config():
     config = load_scheduler_config("precise")
-    assert attention_context_of(config) == 0.0
+    assert attention_context_of(config) == 30_000.0  # the default prices tokens by position
+    config["plugins"][0]["parameters"]["attentionContextTokens"] = 12_000
+    assert attention_context_of(config) == 12_000.0
+    s = Scheduler.from_config(config, index=InMemoryIndex(capacity=None), rng=random.Random(0))
+    scorer = next(w.scorer for w in s.profiles["default"].scorers if isinstance(w.scorer, TTFTEstimateScorer))
+    assert scorer.attention_context == 12_000.0
     config["plugins"][0]["parameters"]["attentionContextTokens"] = 30_000
     assert attention_context_of(config) == 30_000.0
     s = Scheduler.from_config(config, index=InMemoryIndex(capacity=None), rng=random.Random(0))
