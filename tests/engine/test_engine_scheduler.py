@@ -199,6 +199,9 @@ class BrokenStore:
     async def drain(self) -> None:
         return None
 
+    def watch_local_tiers(self, listener):  # type: ignore[no-untyped-def]
+        return None
+
     async def aclose(self) -> None:
         return None
 

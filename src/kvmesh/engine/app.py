@@ -44,6 +44,8 @@ class EngineOptions:
     Emulated engines store placeholder KV (:mod:`kvmesh.engine.emulated_runner`)."""
     announce_shared_writes: bool = True
     """Publish a ``"SHARED"`` BlockStored when a prompt's chunks reach a shared store tier."""
+    announce_local_tiers: bool = True
+    """Publish ``"CPU"``/``"DISK"`` events as the store's RAM and local disk tiers store and evict."""
     events: str | None = None
     """ZMQ PUB endpoint for KV events (``tcp://127.0.0.1:0`` picks a port)."""
     events_replay: str | None = None
@@ -147,6 +149,7 @@ async def build_engine(opts: EngineOptions, *, runner: ModelRunner | None = None
         max_num_batched_tokens=opts.max_num_batched_tokens
         or (preset.max_num_batched_tokens if preset else 2048),
         announce_shared_writes=opts.announce_shared_writes,
+        announce_local_tiers=opts.announce_local_tiers,
     )
     store: PrefixStore | None = None
     if opts.store:

@@ -33,6 +33,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="publish a SHARED BlockStored when a prompt reaches a shared store tier (default on)",
     )
     p.add_argument(
+        "--announce-local-tiers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="publish CPU/DISK events as the store's RAM and local disk tiers store and evict (default on)",
+    )
+    p.add_argument(
         "--events", metavar="ENDPOINT", help="ZMQ PUB endpoint for KV events, e.g. tcp://127.0.0.1:5557"
     )
     p.add_argument("--events-replay", metavar="ENDPOINT", help="ZMQ ROUTER endpoint for event replay")
@@ -99,6 +105,7 @@ def _run(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         store=args.store,
         announce_shared_writes=args.announce_shared_writes,
+        announce_local_tiers=args.announce_local_tiers,
         events=args.events,
         events_replay=args.events_replay,
         events_topic=DEFAULT_TOPIC if args.events_topic is None else args.events_topic,

@@ -8,8 +8,8 @@ One task owns all scheduling state (no locks). Each iteration:
 3. run it on the :class:`ModelRunner`, append sampled tokens, cache newly full blocks, stream outputs;
 4. publish the cache's KV events, then hand queued prompts to the store (:mod:`.store_sync`).
 
-Events of background store writes (prompts a shared tier now holds) wake the loop, which publishes
-them even when no step is running.
+Events of background store writes (prompts a shared tier now holds, chunks the engine's own RAM
+and disk tiers stored or evicted) wake the loop, which publishes them even when no step is running.
 
 A request's prefix comes from the longest of its blocks in the device-tier cache or the store
 (fetched before the request queues, so the loop never waits on the store).
@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from kvmesh.core.event_transport import EventPublisher, NullEventPublisher
+from kvmesh.core.events import AllBlocksCleared
 from kvmesh.core.tenancy import Role
 from kvmesh.core.types import Medium
 from kvmesh.engine.prefix_cache import PrefixCache
@@ -47,6 +48,9 @@ class SchedulerConfig:
     write_to_store: bool = True
     announce_shared_writes: bool = True
     """Publish a ``"SHARED"`` BlockStored when a prompt's chunks reach a shared store tier."""
+    announce_local_tiers: bool = True
+    """Publish ``"CPU"``/``"DISK"`` BlockStored and BlockRemoved as the store tiers only this engine
+    reads (RAM, local disk) store and evict a prompt's chunks."""
 
 
 class EngineCore:
@@ -84,6 +88,7 @@ class EngineCore:
             self.stats,
             write=self.config.write_to_store,
             announce_shared=self.config.announce_shared_writes,
+            announce_local=self.config.announce_local_tiers,
             wake=self._wake.set,
         )
         self._requests: dict[str, EngineRequest] = {}
@@ -384,8 +389,11 @@ class EngineCore:
         self._publish_events()
 
     def _publish_events(self) -> None:
-        # Device-tier events first: a SHARED event never precedes the GPU event of its blocks.
+        # Device-tier events first: a store tier's event never precedes the GPU event of its blocks,
+        # and a local tier's event is told apart (tokens or not) by what these events announced.
         events = self.cache.take_events()
+        if any(type(event) is AllBlocksCleared for event in events):
+            self.store_sync.device_cleared()
         events += self.store_sync.take_events()
         if events:
             self.publisher.publish(events)

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import numpy as np
 
 from kvmesh.core.hashing import Namespace
 from kvmesh.core.types import Medium
+
+if TYPE_CHECKING:
+    from kvmesh.store.keys import StoreKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +39,21 @@ class LoadedPrefix:
 StoreWritten: TypeAlias = Callable[[Medium, int], None]
 """``(medium, end)``: a store tier of this medium now holds the prompt's chunks up to token ``end``.
 Called on the event loop, possibly after :meth:`PrefixStore.store` returned; must not raise."""
+
+LocalTierChanged: TypeAlias = Callable[[Medium, "list[StoreKey]", "list[StoreKey]"], None]
+"""``(medium, stored, removed)``: a store tier only this engine reads (RAM: CPU, local disk: DISK)
+now holds the chunks ``stored`` and no longer holds ``removed`` (evicted or deleted). Called on the
+event loop, from inside a store call or a tier's background writer; must not raise."""
+
+
+@dataclass(frozen=True, slots=True)
+class LocalTiers:
+    """The store tiers only this engine reads, as :meth:`PrefixStore.watch_local_tiers` watches them."""
+
+    media: tuple[Medium, ...]
+    """The watched tiers' media, fastest first."""
+    chunk_keys: Callable[[list[int], str], list[StoreKey]]
+    """``(tokens, tenant)`` → the keys of the full chunks of ``tokens``, as the reports name them."""
 
 
 class PrefixStore(Protocol):
@@ -74,6 +92,11 @@ class PrefixStore(Protocol):
         """Empty the tiers only this engine reads (RAM, local disk); returns chunks removed."""
         ...
 
+    def watch_local_tiers(self, listener: LocalTierChanged) -> LocalTiers | None:
+        """Tell ``listener`` what the tiers only this engine reads store and drop; ``None`` when
+        the store has no such tier (nothing is watched)."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -103,6 +126,9 @@ class NullPrefixStore:
 
     async def reset_local(self) -> int:
         return 0
+
+    def watch_local_tiers(self, listener: LocalTierChanged) -> LocalTiers | None:
+        return None
 
     async def aclose(self) -> None:
         return None
@@ -151,6 +177,18 @@ class CacheEngineStore:
 
     async def reset_local(self) -> int:
         return int(await self._engine.flush(None, local_only=True))
+
+    def watch_local_tiers(self, listener: LocalTierChanged) -> LocalTiers | None:
+        def report(tier: str, stored: list[StoreKey], removed: list[StoreKey]) -> None:
+            listener(Medium.parse(tier), stored, removed)
+
+        names: list[str] = self._engine.watch_local_tiers(report)
+        if not names:
+            return None
+        return LocalTiers(tuple(Medium.parse(name) for name in names), self._chunk_keys)
+
+    def _chunk_keys(self, tokens: list[int], tenant: str) -> list[StoreKey]:
+        return list(self._engine.chunk_keys(tokens, self._ns(tenant)))
 
     async def aclose(self) -> None:
         close = getattr(self._engine, "aclose", None)

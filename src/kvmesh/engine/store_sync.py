@@ -8,8 +8,11 @@ runner state until the export is done.
 
 When a write reaches a shared tier (Redis/Valkey, shared directory), a ``BlockStored`` with medium
 ``"SHARED"`` announces the prompt's blocks from the root through the run of chunks that tier holds:
-every endpoint of the fleet can load them. The events wait in :meth:`StoreSync.take_events` and the
-engine is woken to publish them.
+every endpoint of the fleet can load them. The tiers only this engine reads (RAM, local disk) report
+what they store and evict, and :class:`~kvmesh.engine.local_tiers.LocalTierAnnouncer` turns that into
+``"CPU"``/``"DISK"`` events for the prompts' device blocks, so the router prices this engine at its
+load time for a prefix its device tier evicted. The events wait in :meth:`StoreSync.take_events` and
+the engine is woken to publish them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Callable
 from kvmesh.core.events import KVEvent
 from kvmesh.core.tenancy import Role
 from kvmesh.core.types import BlockKey, Medium
+from kvmesh.engine.local_tiers import LocalTierAnnouncer
 from kvmesh.engine.prefix_cache import PrefixCache, prefix_stored_event
 from kvmesh.engine.request import EngineRequest, EngineStats
 from kvmesh.engine.runner import NUMPY_KV, KVArray, ModelRunner, Sequence
@@ -40,6 +44,8 @@ class StoreSync:
         stats: the engine's counters (store reads and writes).
         write: write prompts to the store (reads happen either way).
         announce_shared: announce prompts written to a shared tier as ``"SHARED"`` events.
+        announce_local: announce what the tiers only this engine reads (RAM, local disk) store and
+            evict as ``"CPU"``/``"DISK"`` events.
         wake: called when such an event is waiting in :meth:`take_events` (it may come from a
             background write while the engine is idle).
     """
@@ -53,6 +59,7 @@ class StoreSync:
         *,
         write: bool = True,
         announce_shared: bool = True,
+        announce_local: bool = True,
         wake: Callable[[], None] | None = None,
     ) -> None:
         self.store: PrefixStore = store or NullPrefixStore()
@@ -67,6 +74,12 @@ class StoreSync:
         self._queued: list[EngineRequest] = []
         self._deferred_free: list[Sequence] = []
         self._events: list[KVEvent] = []
+        self.local: LocalTierAnnouncer | None = None
+        """Announces the local tiers' chunks; ``None`` when off or when the store has no local tier."""
+        if self.enabled and announce_local:
+            announcer = LocalTierAnnouncer(cache, self.store.chunk_size, wake=wake)
+            if announcer.listen(self.store):
+                self.local = announcer
 
     # ---------------------------------------------------------------- reads
 
@@ -88,6 +101,9 @@ class StoreSync:
         start = time.perf_counter()
         try:
             stored = await self.store.lookup(probe, req.tenant)
+            if stored > local_tokens and self.local is not None:
+                # The read may copy chunks into a local tier (promotion): they are this prompt's.
+                self.local.expect(probe[:stored], req.keys, req.tenant)
             loaded = await self.store.retrieve(probe, req.tenant) if stored > local_tokens else None
         except Exception:
             # The store turns tier failures into misses; anything escaping it is a store bug. It is
@@ -171,12 +187,12 @@ class StoreSync:
                 done.set_result(None)
                 continue
             tokens = req.seq.token_ids[:n]
+            keys = req.keys[: n // self.cache.block_size]
             announce = None
             if self.announce_shared:
-                keys = req.keys[: n // self.cache.block_size]
                 announce = self._shared_announcer(keys, tokens, req.tenant)
             task = asyncio.create_task(
-                self._write(tokens, req.tenant, kv, req.num_cached_tokens, req.role, done, announce)
+                self._write(tokens, keys, req.tenant, kv, req.num_cached_tokens, req.role, done, announce)
             )
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -187,6 +203,7 @@ class StoreSync:
     async def _write(
         self,
         tokens: list[int],
+        keys: list[BlockKey],
         tenant: str,
         kv: KVArray,
         skip: int,
@@ -198,6 +215,9 @@ class StoreSync:
             ops = self.runner.kv_ops
             # Out of device memory off the event loop (the copy waits for the step in flight).
             host = kv if ops is NUMPY_KV else await asyncio.to_thread(ops.to_host, kv)
+            if self.local is not None:
+                # Off the step: hashing the prompt's store keys costs about 0.6 ms per 8k tokens.
+                self.local.expect(tokens, keys, tenant)
             await self.store.store(tokens, tenant, host, skip, on_written=on_written)
             if role is Role.PREFILL:
                 # The decode side reads this KV next: it must have reached every tier.
@@ -216,10 +236,10 @@ class StoreSync:
         """The ``on_written`` of one prompt's write: a SHARED event whenever a shared tier holds more
         of the prompt than announced so far (a second shared tier holding as much adds nothing).
 
-        Only shared tiers are announced. A local CPU or disk tier evicts without telling anyone, so
-        its blocks would stay in the router's index after they are gone. A shared tier's own
-        evictions (TTL, maxmemory) are not announced either: a stale SHARED entry costs the engine
-        it is routed to one store miss, and that engine recomputes.
+        Only shared tiers are announced here; the local CPU and disk tiers report what they store
+        and evict themselves (:attr:`local`). A shared tier's own evictions (TTL, maxmemory) are not
+        announced: a stale SHARED entry costs the engine it is routed to one store miss, and that
+        engine recomputes.
         """
         bs = self.cache.block_size
         announced = 0
@@ -237,9 +257,21 @@ class StoreSync:
         return on_written
 
     def take_events(self) -> list[KVEvent]:
-        """SHARED events since the last call, oldest first."""
+        """SHARED, CPU and DISK events since the last call, oldest first.
+
+        Call right after taking the device tier's events, and publish these after those: whether a
+        local tier's event needs the blocks' tokens depends on what the device tier announced.
+        """
         events, self._events = self._events, []
+        if self.local is not None:
+            events += self.local.take_events()
         return events
+
+    def device_cleared(self) -> None:
+        """The device tier published ``AllBlocksCleared``: the router forgot this engine's local
+        tiers' blocks too."""
+        if self.local is not None:
+            self.local.forget()
 
     async def wait(self, *, drain: bool = True) -> None:
         """Wait until the writes started so far reached every store tier (``drain=False``: until

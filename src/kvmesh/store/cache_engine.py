@@ -19,11 +19,13 @@ import asyncio
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeAlias
 
 import numpy as np
 
 from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
+from kvmesh.store.backends.changes import Watchable
 from kvmesh.store.codec import kv_dtype_name
 from kvmesh.store.config import StoreConfig, resolve_config
 from kvmesh.store.factory import LOCAL_TIERS, build_store
@@ -39,6 +41,10 @@ PrefixWritten: TypeAlias = Callable[[str, int], None]
 :meth:`KVCacheEngine.store` wrote there or found there. Chunks before the written ones are assumed
 held (written by an earlier store), as a prefix lookup assumes. Called on the event loop; must not
 raise."""
+
+TierChanged: TypeAlias = Callable[[str, list[StoreKey], list[StoreKey]], None]
+"""``(tier name, stored, removed)``: the chunks one call to that tier wrote and dropped (see
+:data:`~kvmesh.store.backends.changes.ChunksChanged`). Called on the event loop; must not raise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +274,22 @@ class KVCacheEngine:
                 on_written(tier, run * self.chunk_size)
 
         return report
+
+    def watch_local_tiers(self, listener: TierChanged | None) -> list[str]:
+        """Tell ``listener`` which chunks the tiers private to this process (RAM, local disk) store
+        and drop, evictions included; ``None`` stops telling. Tiers other processes share are not
+        watched: they evict without this process knowing.
+
+        Returns:
+            The names of the tiers watched, fastest first (empty: no local tier).
+        """
+        watched: list[str] = []
+        for tier in self.tiered.tiers:
+            backend = tier.backend
+            if tier.name in LOCAL_TIERS and isinstance(backend, Watchable):
+                backend.on_change = None if listener is None else partial(listener, tier.name)
+                watched.append(tier.name)
+        return watched
 
     async def flush(self, namespace: Namespace | None = None, *, local_only: bool = False) -> int:
         """Delete every chunk of ``namespace``'s model, revision and LoRA (all tenants and KV

@@ -23,6 +23,7 @@ from typing import TypeVar
 from kvmesh.errors import TierUnavailableError
 from kvmesh.store.backends import files
 from kvmesh.store.backends.base import Backend, BackendStats, ChunkData
+from kvmesh.store.backends.changes import ChangeLog, ChunksChanged, Watchable
 from kvmesh.store.keys import StoreKey
 
 T = TypeVar("T")
@@ -38,6 +39,8 @@ class DiskBackend:
         fsync: fsync each file before it is renamed into place (durable across power loss).
         mapped: map chunk files rather than copy them (:func:`files.map_or_none`); default: where
             the directory is memory-backed (a disk's I/O error under a mapping ends the process).
+        on_change: told what each call stored and dropped (:mod:`~kvmesh.store.backends.changes`);
+            chunks found in the directory at start are not reported as stored.
     """
 
     kind = "disk"
@@ -49,6 +52,7 @@ class DiskBackend:
         *,
         fsync: bool = False,
         mapped: bool | None = None,
+        on_change: ChunksChanged | None = None,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
@@ -56,6 +60,7 @@ class DiskBackend:
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self.mapped = files.is_memory_fs(self.root) if mapped is None else mapped
+        self.on_change = on_change
         self.num_evictions = 0
         self._index: OrderedDict[StoreKey, int] = OrderedDict()
         self._num_bytes = 0
@@ -91,6 +96,7 @@ class DiskBackend:
         doomed = self._evict_for(0)
         try:
             if doomed:
+                self._report_dropped(doomed)
                 await self._run(self._unlink_all, doomed)
         finally:
             loading.set_result(None)
@@ -117,6 +123,13 @@ class DiskBackend:
             doomed.append(key)
         return doomed
 
+    def _report_dropped(self, keys: Sequence[StoreKey]) -> None:
+        if self.on_change is not None and keys:
+            log = ChangeLog()
+            for key in keys:
+                log.dropped(key)
+            log.report(self.on_change)
+
     def _unlink_all(self, keys: list[StoreKey]) -> int:
         return sum(files.unlink_quiet(files.chunk_path(self.root, k)) for k in keys)
 
@@ -140,6 +153,7 @@ class DiskBackend:
         generation = self._generation
         values = dict(zip(wanted, await self._run(self._read_all, wanted), strict=True))
         out: list[ChunkData | None] = []
+        vanished: list[StoreKey] = []
         for key in keys:
             value = values.get(key)
             if value is None and key in values and generation == self._generation:
@@ -147,9 +161,11 @@ class DiskBackend:
                 size = self._index.pop(key, None)
                 if size is not None:
                     self._num_bytes -= size
+                    vanished.append(key)
             elif key in self._index:
                 self._index.move_to_end(key)
             out.append(value)
+        self._report_dropped(vanished)
         return out
 
     async def put_many(self, items: Sequence[tuple[StoreKey, ChunkData]]) -> int:
@@ -162,6 +178,7 @@ class DiskBackend:
                 self._generation += 1
 
     async def _put_locked(self, items: Sequence[tuple[StoreKey, ChunkData]]) -> int:
+        log = None if self.on_change is None else ChangeLog()
         accepted: list[tuple[StoreKey, ChunkData]] = []
         doomed: list[StoreKey] = []
         for key, value in items:
@@ -170,7 +187,11 @@ class DiskBackend:
             if old is not None:
                 self._num_bytes -= old
                 doomed.append(key)
-            doomed.extend(self._evict_for(size + self._reserved))
+            evicted = self._evict_for(size + self._reserved)
+            doomed.extend(evicted)
+            if log is not None:
+                for gone in [key, *evicted] if old is not None else evicted:
+                    log.dropped(gone)
             if self._num_bytes + self._reserved + size > self.capacity_bytes:
                 continue
             self._reserved += size
@@ -178,18 +199,25 @@ class DiskBackend:
         written = {k for k, _ in accepted}
         reserved = sum(len(v) for _, v in accepted)
         try:
-            await self._run(self._write_all, [k for k in doomed if k not in written], accepted)
-        except TierUnavailableError:
-            await asyncio.to_thread(self._unlink_quietly, [k for k, _ in accepted])
-            raise
+            try:
+                await self._run(self._write_all, [k for k in doomed if k not in written], accepted)
+            except TierUnavailableError:
+                await asyncio.to_thread(self._unlink_quietly, [k for k, _ in accepted])
+                raise
+            finally:
+                self._reserved -= reserved
+            for key, value in accepted:
+                old = self._index.pop(key, None)
+                if old is not None:
+                    self._num_bytes -= old
+                self._index[key] = len(value)
+                self._num_bytes += len(value)
+                if log is not None:
+                    log.wrote(key, held_before=old is not None)
         finally:
-            self._reserved -= reserved
-        for key, value in accepted:
-            old = self._index.pop(key, None)
-            if old is not None:
-                self._num_bytes -= old
-            self._index[key] = len(value)
-            self._num_bytes += len(value)
+            # A failed write still dropped what it evicted.
+            if log is not None:
+                log.report(self.on_change)
         return len(accepted)
 
     def _unlink_quietly(self, keys: list[StoreKey]) -> None:
@@ -215,6 +243,7 @@ class DiskBackend:
             if size is not None:
                 self._num_bytes -= size
                 present.append(key)
+        self._report_dropped(present)
         if present:
             await self._run(self._unlink_all, present)
         return len(present)
@@ -246,3 +275,4 @@ class DiskBackend:
 
 
 _check: type[Backend] = DiskBackend
+_watchable: type[Watchable] = DiskBackend

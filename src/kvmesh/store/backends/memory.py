@@ -6,6 +6,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvmesh.store.backends.base import Backend, BackendStats, ChunkData
+from kvmesh.store.backends.changes import ChangeLog, ChunksChanged, Watchable
 from kvmesh.store.keys import StoreKey
 
 
@@ -20,14 +21,16 @@ class MemoryBackend:
 
     Args:
         capacity_bytes: byte budget (> 0).
+        on_change: told what each call stored and dropped (:mod:`~kvmesh.store.backends.changes`).
     """
 
     kind = "memory"
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, *, on_change: ChunksChanged | None = None) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
+        self.on_change = on_change
         self._entries: OrderedDict[StoreKey, bytes] = OrderedDict()
         self._num_bytes = 0
         self.num_evictions = 0
@@ -53,6 +56,7 @@ class MemoryBackend:
         return out
 
     async def put_many(self, items: Sequence[tuple[StoreKey, ChunkData]]) -> int:
+        log = None if self.on_change is None else ChangeLog()
         stored = 0
         for key, value in items:
             size = len(value)
@@ -60,23 +64,36 @@ class MemoryBackend:
             if old is not None:
                 self._num_bytes -= len(old)
             if size > self.capacity_bytes:
+                if old is not None and log is not None:
+                    log.dropped(key)
                 continue
             while self._num_bytes + size > self.capacity_bytes:
-                _, evicted = self._entries.popitem(last=False)
+                gone, evicted = self._entries.popitem(last=False)
                 self._num_bytes -= len(evicted)
                 self.num_evictions += 1
+                if log is not None:
+                    log.dropped(gone)
             self._entries[key] = value if isinstance(value, bytes) else bytes(value)
             self._num_bytes += size
             stored += 1
+            if log is not None:
+                log.wrote(key, held_before=old is not None)
+        if log is not None:
+            log.report(self.on_change)
         return stored
 
     async def delete_many(self, keys: Sequence[StoreKey]) -> int:
+        log = None if self.on_change is None else ChangeLog()
         removed = 0
         for key in keys:
             value = self._entries.pop(key, None)
             if value is not None:
                 self._num_bytes -= len(value)
                 removed += 1
+                if log is not None:
+                    log.dropped(key)
+        if log is not None:
+            log.report(self.on_change)
         return removed
 
     async def flush(self, group: str | None = None) -> int:
@@ -98,3 +115,4 @@ class MemoryBackend:
 
 
 _check: type[Backend] = MemoryBackend
+_watchable: type[Watchable] = MemoryBackend
