@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.core.events import BlockRemoved, BlockStored, KVEvent
-from kvmesh.core.types import BlockKey, Medium
+from kvmesh.core.types import BlockKey, ExternalBlockHash, Medium
 from kvmesh.engine.cost_model import CostModel
 from kvmesh.engine.prefix_cache import PrefixCache, engine_block_hash
 from kvmesh.sim.network import Link, path_transfer
@@ -158,7 +158,7 @@ class TierStack:
         out = self._events
         for ev in events:
             if isinstance(ev, BlockRemoved):
-                gone: list[int] = []
+                gone: list[ExternalBlockHash] = []
                 for h in ev.block_hashes:
                     blocks = held.pop(h, None) if isinstance(h, int) else None
                     if blocks is not None:
@@ -167,7 +167,7 @@ class TierStack:
                     out.append(BlockRemoved(block_hashes=gone, medium=Medium.CPU.value))
         if added <= 0:
             return
-        stored: list[int] = []
+        stored: list[ExternalBlockHash] = []
         for c in range(have, have + added):
             chunk_blocks = [engine_block_hash(k) for k in block_keys[c * per : (c + 1) * per]]
             held[engine_block_hash(block_keys[(c + 1) * per - 1])] = chunk_blocks
