@@ -9,6 +9,7 @@ from sim_helpers import ListWorkload, spec, tokens
 
 from kvmesh.engine.cost_model import CostModel, get_preset
 from kvmesh.errors import ConfigError
+from kvmesh.router.plugins.scorers import TTFTEstimateScorer
 from kvmesh.router.types import EndpointState, RoutingRequest
 from kvmesh.sim.fleet import FleetConfig, FleetSimulation, simulate
 from kvmesh.sim.report import build_report
@@ -123,6 +124,23 @@ def test_default_policy_runs_with_the_cost_model_as_its_prior():
     assert ttft["parameters"]["prefillTokensPerSecond"] == 12_345.0
     assert ttft["parameters"]["maxBatchedTokens"] == 4096
     assert ttft["parameters"]["tierGBps"]["SHARED"] == 10.0  # 80 Gb/s
+
+
+def test_routers_take_the_models_attention_context_unless_told_to_keep_the_policys():
+    def ttft_scorer(sim: FleetSimulation) -> TTFTEstimateScorer:
+        (scorer,) = [
+            w.scorer
+            for w in sim.router.scheduler.profiles["default"].scorers
+            if isinstance(w.scorer, TTFTEstimateScorer)
+        ]
+        return scorer
+
+    model = get_preset(PRESET).model.attention_context_tokens
+    assert ttft_scorer(FleetSimulation(fleet("precise"))).attention_context == model
+    kept = FleetSimulation(fleet("precise", model_attention_context=False))
+    assert ttft_scorer(kept).attention_context == 30_000.0  # the preset's prior, to be learned from
+    run = kept.run(shared_prefix(duration=4.0))
+    assert all(r.failed is None for r in run.requests)
 
 
 @pytest.mark.parametrize("policy", ["approximate", "load"])

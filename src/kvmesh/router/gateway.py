@@ -44,8 +44,7 @@ from kvmesh.router.ingest import EventApplier
 from kvmesh.router.intake import EventIntake
 from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.metrics import RouterMetrics
-from kvmesh.router.plugins.registry import attention_context_of
-from kvmesh.router.prefill_ledger import PrefillLedger
+from kvmesh.router.plugins.registry import prefill_ledger_of
 from kvmesh.router.prefill_leg import PrefillLeg, decode_body
 from kvmesh.router.proxy import UpstreamProxy
 from kvmesh.router.redis_index import RedisIndex
@@ -134,7 +133,7 @@ class Gateway:
         self._probe_session: aiohttp.ClientSession | None = None
         """The endpoint pool's health checks, scrapes and discovery."""
         self._pending_events: dict[PodId, tuple[str, str | None]] = {}
-        self.prefill_ledger = PrefillLedger(attention_context=attention_context_of(scheduler_config))
+        self.prefill_ledger = prefill_ledger_of(scheduler_config)
         """Prefill work sent to each endpoint and not yet answered, and the pool's learned speed."""
         self.flow_gate = (
             FlowGate(config.flow_control, self.scheduler, self.prefill_ledger, self.metrics)

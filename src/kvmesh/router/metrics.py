@@ -21,6 +21,8 @@
                                                 yet (less what it computed since, when learned)
 ``kvmesh_router_prefill_tokens_per_second``     the pool's prefill speed learned from first tokens
                                                 (0 until learned)
+``kvmesh_router_attention_context_tokens``      the context at which attention doubles a prompt
+                                                token's cost, learned with it (0 until learned)
 ``kvmesh_router_flow_queue_depth{tenant,...}``  requests waiting in the flow-control queue, per
                                                 tenant and ``priority``
 ``kvmesh_router_flow_queued_requests``          requests waiting in it, in all
@@ -98,7 +100,8 @@ class IngestCollector:
 
 
 class EndpointLoadCollector:
-    """Exports the endpoints' outstanding prefill work and the learned prefill speed at scrape time.
+    """Exports the endpoints' outstanding prefill work and the learned prefill speed and attention
+    context at scrape time.
 
     Args:
         source: returns the endpoint states the scheduler sees.
@@ -116,16 +119,23 @@ class EndpointLoadCollector:
             "Prompt tokens routed to an endpoint that have no first token yet",
             labels=["endpoint"],
         )
-        speed = 0.0
+        speed = context = 0.0
         for state in self._source():
             pending.add_metric([state.pod], state.pending_prefill_tokens)
             if state.seconds_per_prefill_token > 0:
                 speed = 1.0 / state.seconds_per_prefill_token
+            context = state.attention_context_tokens or context
         yield pending
         yield GaugeMetricFamily(
             "kvmesh_router_prefill_tokens_per_second",
             "Prefill speed learned from first-token times (0 until learned)",
             value=speed,
+        )
+        yield GaugeMetricFamily(
+            "kvmesh_router_attention_context_tokens",
+            "Context at which attention doubles a prompt token's cost, learned from first-token times "
+            "(0 until learned)",
+            value=context,
         )
 
 

@@ -37,6 +37,9 @@ class EndpointState:
             weighted by position when the ledger has an attention context (``prefill_work``).
         seconds_per_prefill_token: the endpoint's prefill cost learned from first-token times;
             0 until enough samples, when scorers use their configured prior.
+        attention_context_tokens: the context at which attention doubles a prompt token's cost,
+            learned with ``seconds_per_prefill_token`` (``PrefillLedger``); 0 until learned, or
+            when it is not learned, when scorers use their configured value.
         kv_bytes_per_token: KV bytes per token the engine reports (``/kvmesh/info``); 0 unknown,
             when scorers use their configured value.
     """
@@ -50,6 +53,7 @@ class EndpointState:
     healthy: bool = True
     pending_prefill_tokens: int = 0
     seconds_per_prefill_token: float = 0.0
+    attention_context_tokens: float = 0.0
     kv_bytes_per_token: int = 0
 
 

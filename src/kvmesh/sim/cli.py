@@ -108,6 +108,12 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="flow control: also saturated when every replica has N requests in flight (default off)",
     )
+    p.add_argument(
+        "--policy-attention-context",
+        action="store_true",
+        help="keep the policy's attentionContextTokens as the routers' prior instead of the cost "
+        "model's figure (to see what the routers learn from it)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -145,6 +151,7 @@ def _base_config(args: argparse.Namespace, num_replicas: int, policy: Any) -> An
         gateways=1 if args.gateways is None else args.gateways,
         seed=args.seed,
         flow_control=_flow_control(args),
+        model_attention_context=not args.policy_attention_context,
     )
 
 

@@ -79,6 +79,10 @@ class FleetConfig:
         flow_control: the router's flow control (requests wait in each gateway while every
             replica is saturated, and fail with ``shed_429`` past the deadline); ``None``: off, as
             the calibrated presets run. See :mod:`kvmesh.sim.flow`.
+        model_attention_context: give a ``ttft-estimate-scorer`` that weighs prompt tokens by
+            position the cost model's attention context in place of the policy's
+            ``attentionContextTokens`` (off: the policy's value is the routers' prior, to see what
+            they learn from a wrong one).
     """
 
     num_replicas: int
@@ -105,6 +109,7 @@ class FleetConfig:
     gateways: int = 1
     seed: int = 0
     flow_control: FlowControlConfig | None = None
+    model_attention_context: bool = True
 
     def __post_init__(self) -> None:
         if self.num_replicas <= 0:
@@ -204,6 +209,9 @@ class FleetSimulation:
             kv_bytes_per_token=self.cost.model.kv_bytes_per_token,
             shared_gbps=config.net_gbps,
             max_batched_tokens=self.replica_config.max_num_batched_tokens,
+            attention_context_tokens=(
+                self.cost.model.attention_context_tokens if config.model_attention_context else 0.0
+            ),
         )
         self.router = SimRouter(
             sched_cfg,

@@ -22,8 +22,7 @@ from kvmesh.errors import ConfigError
 from kvmesh.router.flow_control import SaturationDetector
 from kvmesh.router.index import InMemoryIndex
 from kvmesh.router.ingest import EventApplier
-from kvmesh.router.plugins.registry import attention_context_of
-from kvmesh.router.prefill_ledger import PrefillLedger
+from kvmesh.router.plugins.registry import prefill_ledger_of
 from kvmesh.router.prefix import match_prefix_keys
 from kvmesh.router.scheduler import PRESET_NAMES, Scheduler, load_scheduler_config
 from kvmesh.router.types import EndpointState, RoutingRequest
@@ -45,13 +44,15 @@ def with_cost_model_prior(
     kv_bytes_per_token: int,
     shared_gbps: float,
     max_batched_tokens: int,
+    attention_context_tokens: float = 0.0,
 ) -> dict[str, Any]:
     """``config`` with every ``ttft-estimate-scorer`` given the simulated GPU's figures as its prior.
 
     A live router starts from its YAML's prior and learns the pool's speed from first tokens; the
     simulator knows the engines' cost model, so its routers start where they would converge (GB/s
     per tier: CPU over PCIe, the shared tier over the network). A ``queuedRequestSeconds`` the
-    config sets is kept: it is a policy choice as much as a hardware figure.
+    config sets is kept: it is a policy choice as much as a hardware figure. A scorer that weighs
+    prompt tokens by position (``attentionContextTokens`` > 0) gets the model's own figure.
     """
     out = dict(config)
     plugins = []
@@ -65,6 +66,8 @@ def with_cost_model_prior(
                 tierGBps={"GPU": 0.0, "CPU": 50.0, "DISK": 2.0, "SHARED": shared_gbps / 8},
                 maxBatchedTokens=max_batched_tokens,
             )
+            if attention_context_tokens > 0 and params.get("attentionContextTokens", 0) > 0:
+                params["attentionContextTokens"] = attention_context_tokens
             plugin = {**plugin, "parameters": params}
         plugins.append(plugin)
     out["plugins"] = plugins
@@ -140,8 +143,7 @@ class SimRouter:
         self.metrics_interval_s = metrics_interval_s
         self._states = [[EndpointState(r.pod) for r in self.replicas] for _ in range(gateways)]
         """Each gateway's view of the endpoints: shared scraped gauges, its own ``in_flight``."""
-        attention_context = attention_context_of(scheduler_config)
-        self._ledgers = [PrefillLedger(attention_context=attention_context) for _ in range(gateways)]
+        self._ledgers = [prefill_ledger_of(scheduler_config) for _ in range(gateways)]
         """Each gateway's outstanding prefill work per endpoint and the speeds it learned."""
         self._awaiting_first_token: list[list[SimRequest]] = [[] for _ in range(gateways)]
         self._scraped_at = -1.0

@@ -12,6 +12,7 @@ from typing import Any
 from kvmesh.errors import ConfigError
 from kvmesh.router.plugins import filters, pickers, scorers
 from kvmesh.router.plugins.base import Params, PluginContext, PluginFactory
+from kvmesh.router.prefill_ledger import PrefillLedger
 
 PREFILL_FILTER = "prefill-filter"
 DECODE_FILTER = "decode-filter"
@@ -89,6 +90,29 @@ def build_plugin(type_name: str, name: str, raw_params: Any, ctx: PluginContext)
         raise ConfigError(f"plugin {name!r}: {exc}") from exc
     params.check_unknown()
     return plugin
+
+
+def prefill_ledger_of(config: Mapping[str, Any]) -> PrefillLedger:
+    """A prefill ledger that weighs outstanding work as the config's first ``ttft-estimate-scorer``
+    weighs a prompt (``attentionContextTokens``, the prior of the attention context the ledger learns
+    unless ``learnAttentionContext`` is false, within ``maxLearnedContextRatio`` of it); plain tokens
+    where no such scorer is configured.
+
+    Raises:
+        ConfigError: the scorer's parameters are malformed.
+    """
+    for plugin in config.get("plugins") or []:
+        if isinstance(plugin, Mapping) and canonical_type(str(plugin.get("type"))) == TTFT_ESTIMATE_SCORER:
+            name = str(plugin.get("name") or TTFT_ESTIMATE_SCORER)
+            scorer = scorers.make_ttft_estimate_scorer(
+                name, Params(name, plugin.get("parameters")), PluginContext()
+            )
+            return PrefillLedger(
+                attention_context=scorer.attention_context,
+                learn_context=scorer.learn_context,
+                max_context_ratio=scorer.max_context_ratio,
+            )
+    return PrefillLedger()
 
 
 def attention_context_of(config: Mapping[str, Any]) -> float:

@@ -12,7 +12,7 @@ from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
 from kvmesh.core.types import BlockKey, Medium, PodId
 from kvmesh.errors import ConfigError
 from kvmesh.router.plugins.base import Params, PluginContext, Scorer
-from kvmesh.router.prefill_ledger import prefill_work
+from kvmesh.router.prefill_ledger import DEFAULT_MAX_CONTEXT_RATIO, prefill_work
 from kvmesh.router.prefix import DEFAULT_TIER_WEIGHTS, weighted_blocks
 from kvmesh.router.types import EndpointState, PrefixMatch, RoutingRequest
 
@@ -270,7 +270,9 @@ class TTFTEstimateScorer:
       (``pending_prefill_tokens``, exact at decision time);
     - own uncached tokens, weighted by position as the ledger weighs the work ahead (a token at
       position ``p`` costs ``1 + p / attention_context`` tokens at position 0; 0: plain tokens), so
-      a long cold prompt is priced at what its attention costs, not at its token count;
+      a long cold prompt is priced at what its attention costs, not at its token count; the
+      attention context learned with the speed (``attention_context_tokens``) once known, else the
+      configured one, a learned value kept within ``max_context_ratio`` of it;
     - queue: the engine's own ``waiting`` gauge × ``queued_request_s``, which also sees other
       routers' requests (the larger of the two waits counts, so this router's are not counted twice);
     - s/token: learned per endpoint from first-token times (``seconds_per_prefill_token``) once
@@ -295,6 +297,9 @@ class TTFTEstimateScorer:
     max_batched_tokens: int = 8192
     max_learned_ratio: float = 10.0
     attention_context: float = 0.0
+    learn_context: bool = True
+    """Whether the router's prefill ledger learns the attention context (``prefill_ledger_of``)."""
+    max_context_ratio: float = DEFAULT_MAX_CONTEXT_RATIO
 
     def seconds_per_token(self, endpoint: EndpointState) -> float:
         prior = 1.0 / self.prefill_tokens_per_s
@@ -302,6 +307,15 @@ class TTFTEstimateScorer:
         if learned <= 0.0:
             return prior
         ratio = self.max_learned_ratio
+        return min(max(learned, prior / ratio), prior * ratio)
+
+    def attention_context_tokens(self, endpoint: EndpointState) -> float:
+        """The attention context ``endpoint``'s prompt tokens are priced at (0: plain tokens)."""
+        prior = self.attention_context
+        learned = endpoint.attention_context_tokens
+        if prior <= 0 or learned <= 0.0:
+            return prior
+        ratio = self.max_context_ratio
         return min(max(learned, prior / ratio), prior * ratio)
 
     def estimate(self, request: RoutingRequest, endpoint: EndpointState) -> float:
@@ -323,9 +337,10 @@ class TTFTEstimateScorer:
         share = max(budget - endpoint.running, budget * 0.1) / budget
         spt = self.seconds_per_token(endpoint) / share
         num = request.num_tokens
-        if self.attention_context > 0:
+        context = self.attention_context_tokens(endpoint)
+        if context > 0:
             start = min(cached, num - 1)  # a full hit still computes the last token
-            own = max(prefill_work(start, num, self.attention_context), 1.0)
+            own = max(prefill_work(start, num, context), 1.0)
         else:
             own = max(num - cached, 1)
         queue = max(endpoint.pending_prefill_tokens * spt, endpoint.waiting * self.queued_request_s)
@@ -395,6 +410,8 @@ def make_ttft_estimate_scorer(name: str, params: Params, ctx: PluginContext) -> 
         max_batched_tokens=params.integer("maxBatchedTokens", 8192, minimum=1),
         max_learned_ratio=params.number("maxLearnedRatio", 10.0, minimum=1.0),
         attention_context=params.number("attentionContextTokens", 0.0, minimum=0.0),
+        learn_context=params.boolean("learnAttentionContext", True),
+        max_context_ratio=params.number("maxLearnedContextRatio", DEFAULT_MAX_CONTEXT_RATIO, minimum=1.0),
     )
 
 
