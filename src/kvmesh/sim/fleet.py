@@ -341,7 +341,6 @@ class FleetSimulation:
             group=spec.group,
             reusable=spec.reusable_prefix_len,
         )
-        self._ideal.observe(keys, req.prompt_len)
         self._index += 1
         self._pending += 1
         self.loop.call_at(req.arrival, self._arrive, req, spec.session_id, spec.gap_after_previous_s)
@@ -367,6 +366,7 @@ class FleetSimulation:
     def _send(self, req: SimRequest) -> None:
         cfg = self.config
         if self._direct:
+            self._ideal.observe(req.keys, req.prompt_len)
             self._dispatch(req)
             return
         if cfg.max_in_flight is not None:
@@ -375,6 +375,9 @@ class FleetSimulation:
                 return
             self._in_flight += 1
             req.arrival = self.loop.now
+        # The yardstick sees requests in the order the client sends them: a session's next turn
+        # after its previous one finished, as the fleet does.
+        self._ideal.observe(req.keys, req.prompt_len)
         if cfg.request_timeout_s is not None:
             self.loop.call_at(self.loop.now + cfg.request_timeout_s, self._timeout, req)
         if cfg.path_latency_s > 0:
