@@ -235,3 +235,35 @@ def test_the_router_learns_what_the_shared_tier_holds_and_loads_past_a_busy_hold
     assert router.scheduler.rank(request, idle)[0] == holder.pod  # on its device beats loading
     busy = [EndpointState(r.pod, pending_prefill_tokens=100_000 if r is holder else 0) for r in run.replicas]
     assert router.scheduler.rank(request, busy)[0] == other.pod  # loading beats its queue
+
+
+def test_cpu_tier_announces_its_blocks_and_their_eviction_to_the_router():
+    from kvmesh.core.hashing import BlockHasher
+    from kvmesh.core.types import Medium
+    from kvmesh.router.index import MEDIUM_BITS
+    from kvmesh.sim.routing import SIM_HASH_ALGO
+
+    toks = [tokens(300 + g, 1024) for g in range(8)]
+    specs = [spec(i, i * 0.2, toks[i % 8], 2) for i in range(16)]
+    # device 4,096 tokens (4 prompts), CPU tier 6,144 (6 prompts): the oldest prompts leave both
+    run = simulate(
+        fleet("round-robin", n=1, kv_capacity_tokens=4096, cpu_tier_tokens=6144), ListWorkload(specs)
+    )
+    router = run.router
+    hasher = BlockHasher(router.namespace, router.block_size, SIM_HASH_ALGO)
+    pod = run.replicas[0].pod
+    cpu, gpu = MEDIUM_BITS[Medium.CPU], MEDIUM_BITS[Medium.GPU]
+    chunk_blocks = 256 // router.block_size
+    media: list[int] = []
+    for g in range(8):
+        keys = hasher.hash_blocks(toks[g])
+        holders = router.index.lookup(keys)
+        media.append(holders[0].get(pod, 0) if holders else 0)
+        if holders and holders[0].get(pod, 0) & cpu:
+            # the CPU tier holds whole chunks from the start: every announced block is indexed
+            assert len(holders) >= chunk_blocks
+    # the last prompts sent are in the device tier and the CPU tier; the first ones in neither
+    assert all(m & cpu and m & gpu for m in media[-2:])
+    assert media[0] == 0 and media[1] == 0
+    # some prompt outlived the device tier in the CPU tier alone: priced as a CPU load, not a miss
+    assert any(m == cpu for m in media)
