@@ -60,7 +60,7 @@ async def complete(server: EngineServer, prompt: list[int]) -> tuple[str, int]:
 
 
 def device_tier_arrays(server: EngineServer) -> list[Any]:
-    return [b.kv_base for b in server.core.cache._blocks.values()]
+    return [base for base, _offset in server.core.cache._kv.values()]
 
 
 async def test_device_tier_and_store_serve_tensor_kv(engine: Callable[..., Any]) -> None:

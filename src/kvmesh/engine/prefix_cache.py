@@ -6,6 +6,16 @@ Capacity is counted in blocks of ``block_size`` tokens::
                  ^ used by running requests                                  ^ promised to running
                                                                                requests, not cached yet
 
+One ordered map holds every cached block as ``key -> ref count`` (no object per block)::
+
+    oldest ──────────────────────────────────────────────────────────────► newest
+    | k7:0 | k3:2 | k9:0 | k1:0 | k4:1 | ...                          | k12:0 |
+      ^ evicted first        a block moves to the end whenever its last pin goes
+
+Free blocks sit in the order their last pin went; pinned ones are skipped by eviction (and moved
+to the end on the way, where their unpinning would put them anyway), so the free blocks leave in
+exactly least-recently-freed order.
+
 A running request holds an :class:`Allocation`: the cached blocks it reads (pinned, so they cannot be
 evicted under it) and a reservation for the blocks it will compute. As its blocks fill, ``cache_blocks``
 turns reservations into cached blocks; ``free`` unpins them (they become evictable, most-recent last)
@@ -33,7 +43,7 @@ import numpy as np
 
 from kvmesh.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
-from kvmesh.core.types import BlockKey, Medium
+from kvmesh.core.types import BlockKey, ExternalBlockHash, Medium
 from kvmesh.engine.runner import NUMPY_KV, KVArray, KVOps
 
 
@@ -68,17 +78,6 @@ def prefix_stored_event(
         medium=medium.value,
         extra_keys=extra_keys,
     )
-
-
-@dataclass(slots=True)
-class _Block:
-    key: BlockKey
-    parent: BlockKey | None
-    ref_count: int = 0
-    kv_base: KVArray | None = None
-    """The array this block's KV lives in."""
-    kv_offset: int = 0
-    """Token offset of the block inside ``kv_base``."""
 
 
 @dataclass(slots=True)
@@ -127,8 +126,11 @@ class PrefixCache:
         self.medium = medium
         self.keep_kv = keep_kv
         self.kv_ops = kv_ops
-        self._blocks: dict[BlockKey, _Block] = {}
-        self._free: OrderedDict[BlockKey, None] = OrderedDict()
+        self._blocks: OrderedDict[BlockKey, int] = OrderedDict()
+        """Every cached block's ref count, free blocks in least-recently-freed order."""
+        self._num_free = 0
+        self._kv: dict[BlockKey, tuple[KVArray, int]] = {}
+        """With ``keep_kv``: each block's array and the block's token offset inside it."""
         self._hashers: dict[str, BlockHasher] = {"": self.hasher} if not self.hasher.namespace.tenant else {}
         self.num_reserved = 0
         self.num_evicted = 0
@@ -181,14 +183,15 @@ class PrefixCache:
         bs = self.block_size
         runs: list[tuple[KVArray, int, int]] = []
         for key in keys:
-            block = self._blocks.get(key)
-            if block is None or block.kv_base is None:
+            found = self._kv.get(key)
+            if found is None:
                 return None
+            base, offset = found
             last = runs[-1] if runs else None
-            if last is not None and last[0] is block.kv_base and last[2] == block.kv_offset:
+            if last is not None and last[0] is base and last[2] == offset:
                 runs[-1] = (last[0], last[1], last[2] + bs)
             else:
-                runs.append((block.kv_base, block.kv_offset, block.kv_offset + bs))
+                runs.append((base, offset, offset + bs))
         if not runs:
             return None
         parts = [base[:, :, :, lo:hi] for base, lo, hi in runs]
@@ -203,12 +206,12 @@ class PrefixCache:
     @property
     def num_free_blocks(self) -> int:
         """Cached blocks nobody pins (evictable)."""
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_used_blocks(self) -> int:
         """Blocks held by running requests: pinned plus reserved."""
-        return len(self._blocks) - len(self._free) + self.num_reserved
+        return len(self._blocks) - self._num_free + self.num_reserved
 
     @property
     def usage(self) -> float:
@@ -239,16 +242,19 @@ class PrefixCache:
             raise ValueError(f"num_cached={num_cached} exceeds {len(keys)} keys")
         head = keys[:num_cached]
         blocks = self._blocks
-        free = self._free
-        pinned = [blocks[k] for k in head]
-        newly_pinned = [b.ref_count for b in pinned].count(0)
-        if len(blocks) - len(free) + self.num_reserved + newly_pinned + num_new_blocks > self.capacity_blocks:
+        refs = [blocks[k] for k in head]
+        newly_pinned = refs.count(0)
+        used = len(blocks) - self._num_free + self.num_reserved
+        if used + newly_pinned + num_new_blocks > self.capacity_blocks:
             return None
         alloc = Allocation(request_id, list(head), num_new_blocks)
-        for key, block in zip(head, pinned, strict=True):  # _pin, inlined (hot in simulations)
-            if block.ref_count == 0:
-                free.pop(key, None)
-            block.ref_count += 1
+        unfreed = 0
+        for key in head:  # _pin, inlined (hot in simulations)
+            ref = blocks[key]
+            blocks[key] = ref + 1
+            if not ref:
+                unfreed += 1
+        self._num_free -= unfreed
         # _reserve, inlined: the check above guarantees enough free blocks can be evicted.
         excess = len(blocks) + self.num_reserved + num_new_blocks - self.capacity_blocks
         if excess > 0:
@@ -309,14 +315,14 @@ class PrefixCache:
             f"allocation of {alloc.request_id} is not a prefix of keys"
         )
         bs = self.block_size
+        blocks = self._blocks
         added = 0
-        run: list[_Block] = []
+        run_start = first
         for i in range(first, len(keys)):
             key = keys[i]
-            existing = self._blocks.get(key)
-            if existing is not None:
-                self._flush_run(run, token_ids, i, tenant)
-                run = []
+            if key in blocks:
+                self._flush_run(keys, run_start, i, token_ids, tenant)
+                run_start = i + 1
                 self._pin(key)
                 if alloc.num_reserved > 0:
                     alloc.num_reserved -= 1
@@ -327,17 +333,14 @@ class PrefixCache:
                     self.num_reserved -= 1
                 elif not self._make_room(1):
                     break
-                block_kv = None
                 if kv is not None and self.keep_kv:
                     lo = i * bs - kv_start
                     assert lo >= 0, f"kv_start={kv_start} is past block {i}"
-                    block_kv = self.kv_ops.copy(kv[:, :, :, lo : lo + bs])
-                block = _Block(key, keys[i - 1] if i else None, 1, block_kv)
-                self._blocks[key] = block
-                run.append(block)
+                    self._kv[key] = (self.kv_ops.copy(kv[:, :, :, lo : lo + bs]), 0)
+                blocks[key] = 1
             alloc.keys.append(key)
             added += 1
-        self._flush_run(run, token_ids, first + added, tenant)
+        self._flush_run(keys, run_start, first + added, token_ids, tenant)
         return added
 
     def free(self, alloc: Allocation) -> None:
@@ -346,14 +349,14 @@ class PrefixCache:
             return
         alloc.freed = True
         blocks = self._blocks
-        free = self._free
+        to_end = blocks.move_to_end
         for key in reversed(alloc.keys):
-            block = blocks[key]  # pinned blocks are never evicted
-            left = block.ref_count - 1
-            block.ref_count = left
-            if not left:
-                free[key] = None
+            left = blocks[key] - 1  # pinned blocks are never evicted
             assert left >= 0, f"block of {alloc.request_id} unpinned more often than pinned"
+            blocks[key] = left
+            if not left:
+                to_end(key)
+                self._num_free += 1
         self.num_reserved -= alloc.num_reserved
         alloc.num_reserved = 0
         assert self.num_reserved >= 0, "reservation count went negative: an allocation was freed twice"
@@ -363,7 +366,8 @@ class PrefixCache:
         if self.num_used_blocks:
             return False
         self._blocks.clear()
-        self._free.clear()
+        self._kv.clear()
+        self._num_free = 0
         self._events.append(AllBlocksCleared())
         return True
 
@@ -375,10 +379,10 @@ class PrefixCache:
     # ---------------------------------------------------------------- internals
 
     def _pin(self, key: BlockKey) -> None:
-        block = self._blocks[key]
-        if block.ref_count == 0:
-            self._free.pop(key, None)
-        block.ref_count += 1
+        ref = self._blocks[key]
+        if ref == 0:
+            self._num_free -= 1
+        self._blocks[key] = ref + 1
 
     def _reserve(self, num_blocks: int) -> None:
         self._make_room(num_blocks, reserving=True)
@@ -386,33 +390,46 @@ class PrefixCache:
 
     def _make_room(self, num_blocks: int, reserving: bool = False) -> bool:
         """Evict free blocks until ``num_blocks`` more fit; ``False`` if impossible (nothing evicted)."""
-        pinned = len(self._blocks) - len(self._free)
+        blocks = self._blocks
+        pinned = len(blocks) - self._num_free
         if pinned + self.num_reserved + num_blocks > self.capacity_blocks:
             assert not reserving, "reserve without a capacity check"
             return False
-        excess = len(self._blocks) + self.num_reserved + num_blocks - self.capacity_blocks
+        excess = len(blocks) + self.num_reserved + num_blocks - self.capacity_blocks
         if excess > 0:
-            removed: list[int] = []
-            for _ in range(excess):
-                key, _none = self._free.popitem(last=False)
-                del self._blocks[key]
+            removed: list[ExternalBlockHash] = []
+            to_end = blocks.move_to_end
+            kv = self._kv
+            while len(removed) < excess:
+                key = next(iter(blocks))
+                if blocks[key]:
+                    to_end(key)  # pinned: where its unpinning puts it anyway
+                    continue
+                del blocks[key]
+                if kv:
+                    kv.pop(key, None)
                 removed.append(engine_block_hash(key))
-            self.num_evicted += len(removed)
-            self._events.append(BlockRemoved(list(removed), self.medium))
+            self._num_free -= excess
+            self.num_evicted += excess
+            self._events.append(BlockRemoved(removed, self.medium))
         return True
 
     def _flush_run(
-        self, run: list[_Block], token_ids: Sequence[int] | np.ndarray, end: int, tenant: str
+        self,
+        keys: Sequence[BlockKey],
+        start: int,
+        end: int,
+        token_ids: Sequence[int] | np.ndarray,
+        tenant: str,
     ) -> None:
-        """Publish ``run``: the new blocks just before block ``end`` of ``token_ids``."""
-        if not run:
+        """Publish the new blocks ``keys[start:end]`` (tokens from ``token_ids``)."""
+        if start >= end:
             return
-        head = run[0]
         extra_keys: list[object] | None = None
         if tenant:
-            extra_keys = [[tenant] if b.parent is None else None for b in run]
+            extra_keys = [[tenant] if i == 0 else None for i in range(start, end)]
         bs = self.block_size
-        part = token_ids[(end - len(run)) * bs : end * bs]
+        part = token_ids[start * bs : end * bs]
         if isinstance(part, np.ndarray):
             tokens = part.tolist()
         elif isinstance(part, list):
@@ -421,8 +438,8 @@ class PrefixCache:
             tokens = list(part)
         self._events.append(
             BlockStored(
-                block_hashes=[engine_block_hash(b.key) for b in run],
-                parent_block_hash=None if head.parent is None else engine_block_hash(head.parent),
+                block_hashes=[engine_block_hash(k) for k in keys[start:end]],
+                parent_block_hash=None if start == 0 else engine_block_hash(keys[start - 1]),
                 token_ids=tokens,
                 block_size=self.block_size,
                 medium=self.medium,
