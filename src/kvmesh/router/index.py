@@ -127,56 +127,95 @@ class BlockIndex(Protocol):
         ...
 
 
+_MAX_SHARED_MAPS = 16_384
+"""Holder maps kept for sharing; past this the table starts afresh (maps in use stay valid)."""
+
+
 class InMemoryIndex:
     """LRU-bounded in-process index.
 
+    Holder maps are immutable and shared: every key whose holders are the same pods with the same
+    tiers, in the same order, points to one map, and a change gives the key another map::
+
+        key ──┐
+        key ──┼──► {pod-1: GPU}                    a handful of distinct maps for
+        key ──┘                                    millions of keys
+        key ─────► {pod-1: GPU, shared: SHARED}
+
+    The maps handed out by :meth:`lookup` must therefore stay read-only.
+
     Args:
         capacity: most keys kept; adding past it evicts the least recently added or looked-up key.
-            ``None`` keeps every key and skips the LRU bookkeeping: for a caller whose engines
-            report every eviction (the fleet simulator), where the index can only be as large as
-            the engines' caches together.
+            ``None`` keeps every key and skips the LRU bookkeeping (a plain dict, no order kept):
+            for a caller whose engines report every eviction (the fleet simulator), where the index
+            can only be as large as the engines' caches together.
     """
 
     def __init__(self, capacity: int | None = DEFAULT_INDEX_CAPACITY) -> None:
         if capacity is not None and capacity <= 0:
             raise ValueError(f"index capacity must be positive, got {capacity}")
         self.capacity = capacity
-        self._blocks: OrderedDict[BlockKey, dict[PodId, MediumSet]] = OrderedDict()
+        self._lru: OrderedDict[BlockKey, Holders] | None = None if capacity is None else OrderedDict()
+        self._blocks: dict[BlockKey, Holders] = {} if self._lru is None else self._lru
+        self._maps: dict[tuple[tuple[PodId, MediumSet], ...], Holders] = {}
+        """The shared holder maps, by their items in order."""
         self._num_entries = 0
         self.num_evicted = 0
 
+    def _shared_map(self, items: tuple[tuple[PodId, MediumSet], ...]) -> Holders:
+        """The one map of ``items`` (pod, tiers) in this order."""
+        found = self._maps.get(items)
+        if found is None:
+            if len(self._maps) >= _MAX_SHARED_MAPS:
+                self._maps.clear()
+            found = self._maps[items] = dict(items)
+        return found
+
+    def _with(self, holders: Holders, pod: PodId, media: MediumSet) -> Holders:
+        """The map of ``holders`` with ``pod`` at ``media`` (appended if new)."""
+        if pod in holders:
+            return self._shared_map(tuple((p, media if p == pod else m) for p, m in holders.items()))
+        return self._shared_map((*holders.items(), (pod, media)))
+
+    def _without(self, holders: Holders, pod: PodId) -> Holders | None:
+        """The map of ``holders`` less ``pod``; ``None`` when nothing is left."""
+        items = tuple(item for item in holders.items() if item[0] != pod)
+        return self._shared_map(items) if items else None
+
     def add(self, keys: Sequence[BlockKey], pod: PodId, media: MediumSet) -> None:
         blocks = self._blocks
+        only = self._shared_map(((pod, media),))
         if blocks.keys().isdisjoint(keys):
-            # The common case (freshly stored blocks): one new holder map per key, built in C.
+            # The common case (freshly stored blocks): every key gets the same map, in C.
             before = len(blocks)
-            blocks.update(zip(keys, map(dict, itertools.repeat(((pod, media),), len(keys))), strict=True))
+            blocks.update(zip(keys, itertools.repeat(only, len(keys)), strict=True))
             self._num_entries += len(blocks) - before
             if self.capacity is not None and len(blocks) > self.capacity:
                 self._evict(len(blocks) - self.capacity)
             return
-        touch = None if self.capacity is None else blocks.move_to_end
+        touch = None if self._lru is None else self._lru.move_to_end
         added = 0
         for key in keys:
             holders = blocks.get(key)
             if holders is None:
-                blocks[key] = {pod: media}
+                blocks[key] = only
                 added += 1
                 continue
             if touch is not None:
                 touch(key)
             old = holders.get(pod)
             if old is None:
-                holders[pod] = media
+                blocks[key] = self._with(holders, pod, media)
                 added += 1
-            else:
-                holders[pod] = MediumSet(old | media)
+            elif old | media != old:
+                blocks[key] = self._with(holders, pod, MediumSet(old | media))
         self._num_entries += added
         if self.capacity is not None and len(blocks) > self.capacity:
             self._evict(len(blocks) - self.capacity)
 
     def _evict(self, n: int) -> None:
-        pop = self._blocks.popitem
+        assert self._lru is not None, "eviction from an unbounded index"
+        pop = self._lru.popitem
         for _ in range(n):
             _, holders = pop(last=False)
             self._num_entries -= len(holders)
@@ -192,19 +231,23 @@ class InMemoryIndex:
             if old is None:
                 continue
             left = old & ~media
-            if left:
-                holders[pod] = MediumSet(left)
+            if left == old:
                 continue
-            del holders[pod]
+            if left:
+                blocks[key] = self._with(holders, pod, MediumSet(left))
+                continue
             self._num_entries -= 1
-            if not holders:
+            rest = self._without(holders, pod)
+            if rest is None:
                 del blocks[key]
+            else:
+                blocks[key] = rest
 
     def lookup(self, keys: Iterable[BlockKey]) -> list[Holders]:
         # A plain loop: measured faster than map/takewhile/tee pipelines at every prompt length
         # (8 to 128 blocks), and it consumes a lazy key iterator only one key past the match.
         get = self._blocks.get
-        touch = None if self.capacity is None else self._blocks.move_to_end
+        touch = None if self._lru is None else self._lru.move_to_end
         out: list[Holders] = []
         append = out.append
         for key in keys:
@@ -219,14 +262,20 @@ class InMemoryIndex:
     def clear_pod(self, pod: PodId) -> int:
         blocks = self._blocks
         emptied: list[BlockKey] = []
-        dropped = 0
+        narrowed: list[tuple[BlockKey, Holders]] = []
         for key, holders in blocks.items():
-            if holders.pop(pod, None) is not None:
-                dropped += 1
-                if not holders:
+            if pod in holders:
+                rest = self._without(holders, pod)
+                if rest is None:
                     emptied.append(key)
+                else:
+                    narrowed.append((key, rest))
         for key in emptied:
             del blocks[key]
+        for key, rest in narrowed:
+            blocks[key] = rest  # an existing key: its place in the LRU stays
+        self._maps = {items: m for items, m in self._maps.items() if pod not in m}
+        dropped = len(emptied) + len(narrowed)
         self._num_entries -= dropped
         return dropped
 

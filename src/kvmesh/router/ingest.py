@@ -5,6 +5,7 @@ keyed by kvmesh's chained keys, so the tokens are re-hashed here with
 :class:`~kvmesh.core.hashing.BlockHasher`; the engine's hashes are kept only as opaque ids::
 
     per pod:  engine hash ──► (our BlockKey, namespace id, MediumSet)
+                              or our BlockKey alone: first namespace, the pod's usual tier
 
 That map serves three purposes:
 
@@ -52,10 +53,58 @@ DEFAULT_MAX_BLOCKS_PER_POD = 1_000_000
 _Entry = tuple[BlockKey, int, int]
 """(our key, namespace id, MediumSet bits); for an expanded engine block, its last sub-key"""
 
+_GPU_BIT = MEDIUM_BITS[Medium.GPU]
+
 _SHARED_BIT = MEDIUM_BITS[Medium.SHARED]
 
 _SubKeys = dict[ExternalBlockHash, tuple[BlockKey, ...]]
 """Per pod: the router keys of each engine block larger than a router block."""
+
+
+class _PodBlocks(dict[ExternalBlockHash, BlockKey | _Entry]):
+    """One pod's engine blocks, oldest first: engine hash ──► :data:`_Entry`.
+
+    Nearly every block is in the first namespace (id 0) and in the pod's usual tier (the device
+    tier; the shared tier for its holder), and such a block is stored as its key alone: a pod of a
+    million blocks then keeps a million keys, not a million tuples besides.
+    """
+
+    __slots__ = ("usual_bits",)
+
+    def __init__(self, usual_bits: int) -> None:
+        super().__init__()
+        self.usual_bits = usual_bits
+
+    def entry(self, h: ExternalBlockHash) -> _Entry | None:
+        """The entry of ``h``, if tracked."""
+        value = self.get(h)
+        if value is None or isinstance(value, tuple):
+            return value
+        return (value, 0, self.usual_bits)
+
+    def pop_entry(self, h: ExternalBlockHash) -> _Entry | None:
+        """Forget ``h``; its entry, if it was tracked."""
+        value = self.pop(h, None)
+        if value is None or isinstance(value, tuple):
+            return value
+        return (value, 0, self.usual_bits)
+
+    def put(self, h: ExternalBlockHash, key: BlockKey, ns_id: int, bits: int) -> None:
+        """Track ``h`` (at the end if new)."""
+        self[h] = key if ns_id == 0 and bits == self.usual_bits else (key, ns_id, bits)
+
+    def put_new(
+        self, hashes: Sequence[ExternalBlockHash], keys: Sequence[BlockKey], ns_id: int, bits: int
+    ) -> None:
+        """Track ``hashes`` (none tracked yet) at C speed."""
+        if ns_id == 0 and bits == self.usual_bits:
+            self.update(zip(hashes, keys, strict=True))
+        else:
+            self.update(zip(hashes, zip(keys, repeat(ns_id), repeat(bits), strict=False), strict=True))
+
+
+def _key_of(value: BlockKey | _Entry) -> BlockKey:
+    return value[0] if isinstance(value, tuple) else value
 
 
 class EventApplier:
@@ -94,7 +143,7 @@ class EventApplier:
         self.max_blocks_per_pod = max_blocks_per_pod
         self.memo = memo
         self.stats = IngestStats()
-        self._pods: dict[PodId, dict[ExternalBlockHash, _Entry]] = {}
+        self._pods: dict[PodId, _PodBlocks] = {}
         self._sub_keys: dict[PodId, _SubKeys] = {}
         """Only pods with engine blocks larger than the router's have an entry."""
         self._block_sizes: dict[PodId, int] = {}
@@ -102,10 +151,13 @@ class EventApplier:
         self._noted: set[tuple[PodId, int, str]] = set()
         """(pod, engine block size, why) already logged: one line per pod and cause."""
         self._namespaces = ChainNamespaces(model, revision, block_size, self.algo)
-        self._shared_refs: dict[BlockKey, int] = {}
-        """Per router key, how many entries of the shared tier's map name it: publishers whose
-        engine hashes differ (vLLM pods seeded apart, a mixed fleet) each add one entry for the same
-        block, and the index entry goes only when the last one does."""
+        self._shared_keys: set[BlockKey] = set()
+        """Router keys some entry of the shared tier's map names. Publishers whose engine hashes
+        differ (vLLM pods seeded apart, a mixed fleet) each add one entry for the same block, and
+        the index entry goes only when the last one does."""
+        self._shared_extra: dict[BlockKey, int] = {}
+        """Per router key named by more than one entry of the shared tier's map: the entries beyond
+        the first (a set and this rare map instead of a count per key: a third of the memory)."""
 
     def namespace(self, lora: str = "", tenant: str = "") -> Namespace:
         """The namespace requests with this LoRA and tenant hash into."""
@@ -198,7 +250,8 @@ class EventApplier:
 
     def _drop_blocks(self, pod: PodId) -> int:
         if pod == SHARED_TIER_HOLDER:
-            self._shared_refs.clear()
+            self._shared_keys.clear()
+            self._shared_extra.clear()
         blocks = self._pods.pop(pod, None)
         sub = self._sub_keys.pop(pod, None)
         dropped = self.index.clear_pod(pod)
@@ -218,22 +271,22 @@ class EventApplier:
         wanted = self._namespaces.ids_matching(lora, tenant)
         total = 0
         for pod, blocks in self._pods.items():
-            gone = [h for h, (_, ns_id, _) in blocks.items() if ns_id in wanted]
+            gone = [h for h, v in blocks.items() if (v[1] if isinstance(v, tuple) else 0) in wanted]
             if gone:
                 self._index_remove(self._pop_keys(pod, blocks, gone), pod)
                 total += len(gone)
         return total
 
     def _pop_keys(
-        self, pod: PodId, blocks: dict[ExternalBlockHash, _Entry], hashes: Sequence[ExternalBlockHash]
+        self, pod: PodId, blocks: _PodBlocks, hashes: Sequence[ExternalBlockHash]
     ) -> list[BlockKey]:
         """Forget tracked ``hashes`` of ``pod``; their router keys, every sub-key included."""
         sub = self._sub_keys.get(pod)
         if sub is None:
-            return [blocks.pop(h)[0] for h in hashes]
+            return [_key_of(blocks.pop(h)) for h in hashes]
         keys: list[BlockKey] = []
         for h in hashes:
-            key = blocks.pop(h)[0]
+            key = _key_of(blocks.pop(h))
             expanded = sub.pop(h, None)
             if expanded is None:
                 keys.append(key)
@@ -262,7 +315,7 @@ class EventApplier:
             pod = SHARED_TIER_HOLDER
         blocks = self._pods.get(pod)
         if blocks is None:
-            blocks = self._pods[pod] = {}
+            blocks = self._pods[pod] = _PodBlocks(_SHARED_BIT if pod == SHARED_TIER_HOLDER else _GPU_BIT)
         # A shared-tier chain may continue from a block only its publisher announced.
         publisher = None if pod == origin else self._pods.get(origin)
         tokens = ev.token_ids
@@ -287,14 +340,14 @@ class EventApplier:
         shared = pod == SHARED_TIER_HOLDER
         if blocks.keys().isdisjoint(hashes):
             # The common case (new blocks): build every entry at C speed.
-            blocks.update(zip(hashes, zip(keys, repeat(ns_id), repeat(bits), strict=False), strict=True))
+            blocks.put_new(hashes, keys, ns_id, bits)
             if shared:
                 self._shared_added(keys)
         else:
-            get = blocks.get
+            get = blocks.entry
             for h, key in zip(hashes, keys, strict=True):
-                old = blocks.pop(h, None) if shared else get(h)  # shared: re-announced blocks move last
-                blocks[h] = (key, ns_id, bits if old is None else old[2] | bits)
+                old = blocks.pop_entry(h) if shared else get(h)  # shared: re-announced blocks move last
+                blocks.put(h, key, ns_id, bits if old is None else old[2] | bits)
                 if shared and old is None:
                     self._shared_added((key,))
             sub = self._sub_keys.get(pod)
@@ -319,10 +372,10 @@ class EventApplier:
     def _chain_keys(
         self,
         ev: BlockStored,
-        blocks: dict[ExternalBlockHash, _Entry],
+        blocks: _PodBlocks,
         token_array: np.ndarray,
         num_keys: int,
-        publisher_blocks: dict[ExternalBlockHash, _Entry] | None = None,
+        publisher_blocks: _PodBlocks | None = None,
     ) -> tuple[BlockKey, int, list[BlockKey]] | None:
         """Router keys of ``num_keys`` router blocks of ``token_array``, chained from the event's
         root or from its parent's entry, as (parent key, namespace id, keys); ``None`` (counted) when
@@ -331,9 +384,9 @@ class EventApplier:
         if ev.parent_block_hash is None:
             hasher, ns_id = self._namespaces.hasher_of_chain(ev)
             return hasher.root, ns_id, hasher.hash_blocks(token_array, None, num_keys)
-        parent = blocks.get(ev.parent_block_hash)
+        parent = blocks.entry(ev.parent_block_hash)
         if parent is None and publisher_blocks is not None:
-            parent = publisher_blocks.get(ev.parent_block_hash)
+            parent = publisher_blocks.entry(ev.parent_block_hash)
         if parent is None:
             self.stats.num_orphans += 1
             return None
@@ -345,9 +398,9 @@ class EventApplier:
         self,
         pod: PodId,
         ev: BlockStored,
-        blocks: dict[ExternalBlockHash, _Entry],
+        blocks: _PodBlocks,
         bits: int,
-        publisher_blocks: dict[ExternalBlockHash, _Entry] | None,
+        publisher_blocks: _PodBlocks | None,
     ) -> None:
         """A BlockStored whose engine block size differs from the router's."""
         bs = self.block_size
@@ -387,12 +440,12 @@ class EventApplier:
         sub = self._sub_keys.get(pod)
         if sub is None:
             sub = self._sub_keys[pod] = {}
-        get = blocks.get
+        get = blocks.entry
         shared = pod == SHARED_TIER_HOLDER
         for i, h in enumerate(hashes):
             expanded = tuple(keys[i * per : (i + 1) * per])
-            old = blocks.pop(h, None) if shared else get(h)
-            blocks[h] = (expanded[-1], ns_id, bits if old is None else old[2] | bits)
+            old = blocks.pop_entry(h) if shared else get(h)
+            blocks.put(h, expanded[-1], ns_id, bits if old is None else old[2] | bits)
             sub[h] = expanded
             if shared and old is None:
                 self._shared_added(expanded)
@@ -404,7 +457,7 @@ class EventApplier:
     def _add_tier(
         self,
         pod: PodId,
-        blocks: dict[ExternalBlockHash, _Entry],
+        blocks: _PodBlocks,
         hashes: Sequence[ExternalBlockHash],
         bits: int,
     ) -> None:
@@ -412,11 +465,11 @@ class EventApplier:
         keys: list[BlockKey] = []
         num_added = 0
         for h in hashes:
-            entry = blocks.get(h)
+            entry = blocks.entry(h)
             if entry is None:
                 self.stats.num_unknown_hashes += 1
                 continue
-            blocks[h] = (entry[0], entry[1], entry[2] | bits)
+            blocks.put(h, entry[0], entry[1], entry[2] | bits)
             expanded = None if sub is None else sub.get(h)
             if expanded is None:
                 keys.append(entry[0])
@@ -441,13 +494,13 @@ class EventApplier:
         keys: list[BlockKey] = []
         num_removed = 0
         for h in ev.block_hashes:
-            entry = blocks.get(h)
+            entry = blocks.entry(h)
             if entry is None:
                 self.stats.num_unknown_hashes += 1
                 continue
             left = entry[2] & ~bits
             if left:
-                blocks[h] = (entry[0], entry[1], left)
+                blocks.put(h, entry[0], entry[1], left)
                 expanded = None if sub is None else sub.get(h)
             else:
                 del blocks[h]
@@ -468,17 +521,19 @@ class EventApplier:
         if known is None:
             self.stats.num_unknown_hashes += len(hashes)
             return
-        shared = self._pods.setdefault(SHARED_TIER_HOLDER, {})
+        shared = self._pods.get(SHARED_TIER_HOLDER)
+        if shared is None:
+            shared = self._pods[SHARED_TIER_HOLDER] = _PodBlocks(_SHARED_BIT)
         sub = self._sub_keys.get(pod)
         keys: list[BlockKey] = []
         num_added = 0
         for h in hashes:
-            entry = known.get(h)
+            entry = known.entry(h)
             if entry is None:
                 self.stats.num_unknown_hashes += 1
                 continue
             new = shared.pop(h, None) is None  # a re-announced block moves last
-            shared[h] = (entry[0], entry[1], _SHARED_BIT)
+            shared.put(h, entry[0], entry[1], _SHARED_BIT)
             expanded = None if sub is None else sub.get(h)
             if expanded is None:
                 keys.append(entry[0])
@@ -495,28 +550,40 @@ class EventApplier:
                 self._overflow(SHARED_TIER_HOLDER, shared)
 
     def _shared_added(self, keys: Sequence[BlockKey]) -> None:
-        refs = self._shared_refs
+        named = self._shared_keys
+        if named.isdisjoint(keys):
+            named.update(keys)
+            return
+        extra = self._shared_extra
         for key in keys:
-            refs[key] = refs.get(key, 0) + 1
+            if key in named:
+                extra[key] = extra.get(key, 0) + 1
+            else:
+                named.add(key)
 
     def _index_remove(self, keys: list[BlockKey], pod: PodId, media: MediumSet = ALL_MEDIA) -> None:
         """Remove ``pod``'s ``keys`` from the index; for the shared tier, only keys no remaining
         entry of its map names."""
         if pod == SHARED_TIER_HOLDER:
-            refs = self._shared_refs
-            last: list[BlockKey] = []
-            for key in keys:
-                n = refs.get(key, 0) - 1
-                if n > 0:
-                    refs[key] = n
-                else:
-                    refs.pop(key, None)
-                    last.append(key)
-            keys = last
+            named, extra = self._shared_keys, self._shared_extra
+            if not extra:
+                named.difference_update(keys)
+            else:
+                last: list[BlockKey] = []
+                for key in keys:
+                    n = extra.get(key, 0)
+                    if n > 1:
+                        extra[key] = n - 1
+                    elif n:
+                        del extra[key]
+                    else:
+                        named.discard(key)
+                        last.append(key)
+                keys = last
         if keys:
             self.index.remove(keys, pod, media)
 
-    def _overflow(self, pod: PodId, blocks: dict[ExternalBlockHash, _Entry]) -> None:
+    def _overflow(self, pod: PodId, blocks: _PodBlocks) -> None:
         excess = len(blocks) - self.max_blocks_per_pod
         oldest = []
         for h in blocks:
