@@ -97,6 +97,8 @@ class ApproximatePrefixScorer:
     algo: HashAlgo = HashAlgo.XXH3
     beyond_cache: bool = False
     _history: OrderedDict[BlockKey, dict[PodId, None]] = field(default_factory=OrderedDict)
+    _holder_maps: dict[tuple[PodId, ...], dict[PodId, None]] = field(default_factory=dict)
+    """One read-only map per set of endpoints (in order), shared by every history block it names."""
     _hashers: dict[Namespace, BlockHasher] = field(default_factory=dict)
     _last: tuple[str, list[BlockKey]] | None = None
     _cached: tuple[PrefixMatch | None, float] = (None, 0.0)
@@ -155,15 +157,25 @@ class ApproximatePrefixScorer:
         if self._cached_whole(request):
             return
         history = self._history
+        only = self._holder_map((pod,))
         for key in self._keys(request):
             holders = history.get(key)
             if holders is None:
-                history[key] = {pod: None}
+                history[key] = only
             else:
-                holders[pod] = None
+                if pod not in holders:
+                    history[key] = self._holder_map((*holders, pod))
                 history.move_to_end(key)
         while len(history) > self.capacity:
             history.popitem(last=False)
+
+    def _holder_map(self, pods: tuple[PodId, ...]) -> dict[PodId, None]:
+        found = self._holder_maps.get(pods)
+        if found is None:
+            if len(self._holder_maps) >= 4096:
+                self._holder_maps.clear()  # maps in use stay valid, only no longer shared
+            found = self._holder_maps[pods] = dict.fromkeys(pods)
+        return found
 
 
 @dataclass(slots=True)
