@@ -70,7 +70,7 @@ def test_a_larger_cache_never_serves_less(raw, small, extra):
     a, b = IdealSharedCache(small * BS, BS), IdealSharedCache((small + extra) * BS, BS)
     for keys, n in requests:
         assert a.observe(keys, n) <= b.observe(keys, n)
-        assert all(k in b for k in a._lru)  # LRU inclusion: the small cache is a subset
+        assert all(k in b for k in a._last)  # LRU inclusion: the small cache is a subset
 
 
 def test_exact_scenario_heads_outlive_tails_and_the_last_token_is_computed():

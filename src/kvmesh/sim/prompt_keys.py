@@ -23,7 +23,10 @@ from kvmesh.workload import BlockTokens, PromptBlocks
 
 DEFAULT_MEMO_PROMPTS = 200_000
 DEFAULT_MEMO_BLOCKS = 32_768
-"""Trace blocks whose keys are kept (32 keys each at 16-token blocks: about 70 MB)."""
+"""Most trace blocks whose keys are kept."""
+DEFAULT_MEMO_KEYS = 524_288
+"""Most keys kept in all (about 40 MB): 16,384 trace blocks of 512 tokens at 16-token blocks, the
+whole 32,768 from 64-token blocks up."""
 
 _BlockMemoKey = tuple[BlockKey, int, int]
 """(key before the trace block, hash id, sim blocks keyed in it)."""
@@ -36,6 +39,7 @@ class PromptKeys:
         hasher: the device tier's key chain.
         memo_prompts: prompts memoised by ``prompt_id``.
         memo_blocks: trace blocks memoised by (previous key, hash id).
+        memo_keys: most keys those trace blocks hold together.
     """
 
     def __init__(
@@ -44,15 +48,18 @@ class PromptKeys:
         *,
         memo_prompts: int = DEFAULT_MEMO_PROMPTS,
         memo_blocks: int = DEFAULT_MEMO_BLOCKS,
+        memo_keys: int = DEFAULT_MEMO_KEYS,
     ) -> None:
-        if memo_prompts <= 0 or memo_blocks <= 0:
-            raise ValueError(f"memo sizes must be positive, got {memo_prompts}, {memo_blocks}")
+        if memo_prompts <= 0 or memo_blocks <= 0 or memo_keys <= 0:
+            raise ValueError(f"memo sizes must be positive, got {memo_prompts}, {memo_blocks}, {memo_keys}")
         self.hasher = hasher
         self.block_size = hasher.block_size
         self._prompts: dict[int, list[BlockKey]] = {}
         self._memo_prompts = memo_prompts
         self._blocks: OrderedDict[_BlockMemoKey, list[BlockKey]] = OrderedDict()
         self._memo_blocks = memo_blocks
+        self._memo_keys = memo_keys
+        self._num_memo_keys = 0
         self._source: BlockTokens | None = None
         self.num_blocks_hashed = 0
         """Trace blocks whose keys had to be computed (memo misses)."""
@@ -77,6 +84,7 @@ class PromptKeys:
         if prompt.source is not self._source:
             # Hash ids name tokens only within one source (seed, vocabulary, block length).
             self._blocks.clear()
+            self._num_memo_keys = 0
             self._source = prompt.source
         memo = self._blocks
         out: list[BlockKey] = []
@@ -89,12 +97,12 @@ class PromptKeys:
             probe = (parent, h, take)
             found = memo.get(probe)
             if found is None:
-                tokens = prompt.source.block_array(h)
-                found = self.hasher.hash_blocks(tokens[: take * bs], parent=parent)
+                found = self.hasher.hash_blocks(prompt.source.block(h), parent, take)
                 self.num_blocks_hashed += 1
                 memo[probe] = found
-                if len(memo) > self._memo_blocks:
-                    memo.popitem(last=False)
+                self._num_memo_keys += len(found)
+                while len(memo) > self._memo_blocks or self._num_memo_keys > self._memo_keys:
+                    self._num_memo_keys -= len(memo.popitem(last=False)[1])
             else:
                 memo.move_to_end(probe)
             out.extend(found)

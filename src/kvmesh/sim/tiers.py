@@ -19,6 +19,7 @@ prices a session spilled to a replica's CPU tier at its load time there, not as 
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -142,8 +143,9 @@ class TierStack:
         self.stats = TierStats()
         self.enabled = self.cpu is not None or shared is not None
         self._events: list[KVEvent] = []
-        self._cpu_blocks: dict[int, list[int]] = {}
-        """Engine hash of each CPU chunk's key → engine hashes of its device blocks."""
+        self._cpu_blocks: dict[int, array[int]] = {}
+        """Engine hash of each CPU chunk's key → engine hashes of its device blocks (u64s in one
+        array: a quarter of the memory of a list of ints)."""
 
     def take_events(self) -> list[KVEvent]:
         """The CPU tier's announcements since the last call (for the router, as the device tier's)."""
@@ -169,8 +171,8 @@ class TierStack:
             return
         stored: list[ExternalBlockHash] = []
         for c in range(have, have + added):
-            chunk_blocks = [engine_block_hash(k) for k in block_keys[c * per : (c + 1) * per]]
-            held[engine_block_hash(block_keys[(c + 1) * per - 1])] = chunk_blocks
+            chunk_blocks = array("Q", map(engine_block_hash, block_keys[c * per : (c + 1) * per]))
+            held[chunk_blocks[-1]] = chunk_blocks
             stored.extend(chunk_blocks)
         out.append(
             BlockStored(
