@@ -1,8 +1,11 @@
-"""``kvmesh router``: run the cache-aware gateway.
+"""``kvmesh router``: run the cache-aware gateway; ``kvmesh prewarm``: compute documents' KV through one.
 
 ``kvmesh router --config router.yaml`` or, for the common case,
 ``kvmesh router --endpoints http://127.0.0.1:8001,http://127.0.0.1:8002 --policy precise``.
 Flags override the file.
+
+``kvmesh prewarm --url http://127.0.0.1:8000 docs.jsonl manuals/ --template "...{document}..."``
+(see :mod:`kvmesh.router.prewarm_client`).
 """
 
 from __future__ import annotations
@@ -54,6 +57,88 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_cmd_router)
+    _register_prewarm(sub)
+
+
+def _register_prewarm(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "prewarm",
+        help="compute documents' KV once through a router, so every endpoint serves them from cache",
+    )
+    p.add_argument(
+        "files", nargs="+", metavar="FILE", help="JSONL files, text files, directories of text files"
+    )
+    p.add_argument("--url", required=True, help="the router's base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--template", default=None, help='prompt around each text document: "...{document}..."')
+    p.add_argument("--tenant", default=None, help="tenant (sent as x-tenant-id)")
+    p.add_argument("--model", default=None, help="model name the requests use")
+    p.add_argument("--lora", default=None, help="LoRA adapter name (the model name its requests use)")
+    p.add_argument(
+        "--ttl-s", type=float, default=None, help="keep each prefix pinned this long (kvmesh.cache_ttl_s)"
+    )
+    p.add_argument("--batch", type=int, default=16, metavar="N", help="documents per request to the router")
+    p.add_argument("--concurrency", type=int, default=4, help="documents the router computes at once")
+    p.add_argument(
+        "--timeout-s", type=float, default=60.0, help="per document: wait this long for the shared tier"
+    )
+    p.add_argument(
+        "--no-wait", action="store_true", help="report once computed; do not wait for the shared tier"
+    )
+    p.add_argument("--store-chunk-tokens", type=int, default=256, help="the store's chunk size (default 256)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_cmd_prewarm)
+
+
+def _cmd_prewarm(args: argparse.Namespace) -> int:
+    import msgspec
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvmesh.router.prewarm_client import (
+        PrewarmOptions,
+        load_documents,
+        num_failed,
+        prewarm_documents,
+        report_table,
+    )
+
+    if args.lora is not None and args.model is not None and args.lora != args.model:
+        print("kvmesh prewarm: give --lora or --model, not both", file=sys.stderr)
+        return 2
+    if args.batch < 1:
+        print("kvmesh prewarm: --batch must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        documents = load_documents(args.files, args.template)
+    except (OSError, ValueError) as exc:
+        print(f"kvmesh prewarm: {exc}", file=sys.stderr)
+        return 2
+    options = PrewarmOptions(
+        url=args.url,
+        model=args.lora if args.lora is not None else args.model,
+        tenant=args.tenant,
+        ttl_s=args.ttl_s,
+        batch=args.batch,
+        concurrency=args.concurrency,
+        wait_for_shared=not args.no_wait,
+        timeout_s=args.timeout_s,
+        store_chunk_tokens=args.store_chunk_tokens,
+    )
+    stderr = Console(stderr=True)
+    progress = Progress(
+        TextColumn("prewarm"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=stderr, transient=True, disable=len(documents) <= args.batch,
+    )  # fmt: skip
+    with progress:
+        task = progress.add_task("prewarm", total=len(documents))
+        response = asyncio.run(
+            prewarm_documents(documents, options, lambda got: progress.advance(task, len(got)))
+        )
+    if args.json:
+        sys.stdout.write(msgspec.json.encode(response).decode() + "\n")
+    else:
+        Console().print(report_table(response))
+    return 1 if num_failed(response) else 0
 
 
 def _cmd_router(args: argparse.Namespace) -> int:

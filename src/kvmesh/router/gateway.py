@@ -13,7 +13,8 @@ the tenant came from ``x-tenant-id`` (so vLLM pods salt their blocks too) and
 ``kv_transfer_params`` on P/D legs. Responses carry ``x-kvmesh-endpoint`` naming the endpoint.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` and the admin API (:mod:`kvmesh.router.admin`).
+``GET /health``, ``GET /metrics``, ``POST /v1/kvmesh/prewarm`` (:mod:`kvmesh.router.prewarm`) and
+the admin API (:mod:`kvmesh.router.admin`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.plugins.registry import prefill_ledger_of
 from kvmesh.router.prefill_leg import PrefillLeg, decode_body
+from kvmesh.router.prewarm import PrewarmApi
 from kvmesh.router.proxy import UpstreamProxy
 from kvmesh.router.redis_index import RedisIndex
 from kvmesh.router.replies import error_response, json_response
@@ -165,6 +167,7 @@ class Gateway:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         AdminApi(self).register(app)
+        PrewarmApi(self).register(app)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
