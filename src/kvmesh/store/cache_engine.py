@@ -27,10 +27,11 @@ import numpy as np
 from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
 from kvmesh.store.backends.changes import Watchable
 from kvmesh.store.codec import kv_dtype_name
-from kvmesh.store.config import StoreConfig, resolve_config
+from kvmesh.store.config import PIN_TIERS, StoreConfig, resolve_config
 from kvmesh.store.factory import LOCAL_TIERS, build_store
 from kvmesh.store.keys import StoreKey, namespace_group
 from kvmesh.store.metrics import StoreMetrics
+from kvmesh.store.pins import PinOutcome
 from kvmesh.store.tiered import FoundChunk, TieredStore, TierWritten
 
 _ENCODE_IN_THREAD_BYTES = 1 << 20
@@ -84,6 +85,8 @@ class KVCacheEngine:
         self.hash_algo = HashAlgo(config.hash_algo)
         self.kv_dtype = config.kv_dtype
         self.kv_layout = config.kv_layout
+        self.pin_budgets = config.pin_budgets()
+        self.pin_max_ttl_s = config.pin_max_ttl_s
         self._hashers: dict[Namespace, BlockHasher] = {}
 
     @classmethod
@@ -200,11 +203,13 @@ class KVCacheEngine:
         *,
         skip_tokens: int = 0,
         on_written: PrefixWritten | None = None,
+        every_tier: bool = False,
     ) -> None:
         """Save the full chunks of ``kv``, which covers ``tokens[0:kv.shape[3]]``.
 
         Chunks that end within the first ``skip_tokens`` tokens, and chunks the fastest tier
-        already holds, are skipped. The RAM tier is written before this returns; slower tiers are
+        already holds, are skipped (with ``every_tier``, only chunks each tier itself holds: a
+        prompt about to be pinned must reach the shared tiers). The RAM tier is written before this returns; slower tiers are
         written by background workers (a full queue drops the write and counts it).
 
         Args:
@@ -232,7 +237,11 @@ class KVCacheEngine:
         todo = list(range(first, len(keys)))
         if not todo:
             return
-        held = await self.tiered.held_by_first_tier([keys[i] for i in todo])
+        held = (
+            [False] * len(todo)
+            if every_tier
+            else await self.tiered.held_by_first_tier([keys[i] for i in todo])
+        )
         all_held = all(held)
         todo = [i for i, h in zip(todo, held, strict=True) if not h]
         if not todo:
@@ -274,6 +283,49 @@ class KVCacheEngine:
                 on_written(tier, run * self.chunk_size)
 
         return report
+
+    def can_pin(self, tenant: str) -> bool:
+        """Whether some tier of this store can pin and gives ``tenant`` a budget there."""
+        return any(
+            self.pin_budgets.bytes_for(tenant, tier.name) > 0 and tier.name in PIN_TIERS
+            for tier in self.tiered.tiers
+        )
+
+    async def pin(
+        self,
+        tokens: Sequence[int],
+        namespace: Namespace,
+        ttl_s: float,
+        *,
+        estimate_chunk_bytes: int | None = None,
+    ) -> dict[str, PinOutcome | None]:
+        """Pin the full chunks of ``tokens`` in the shared tiers for ``ttl_s`` seconds.
+
+        Each tier pins after the writes queued before this call, within ``namespace.tenant``'s
+        budget there (:attr:`pin_budgets`); a tier without a budget for the tenant is not asked.
+
+        Args:
+            tokens: the prompt.
+            namespace: model, revision, LoRA, tenant.
+            ttl_s: seconds (≤ :attr:`pin_max_ttl_s`).
+            estimate_chunk_bytes: check only (nothing is pinned), counting a chunk a tier lacks
+                at this size.
+
+        Returns:
+            Per tier asked, its outcome (``None``: the tier failed; pins there are lost, as
+            writes are).
+
+        Raises:
+            ValueError: ``ttl_s`` is not in (0, :attr:`pin_max_ttl_s`].
+        """
+        if not 0 < ttl_s <= self.pin_max_ttl_s:
+            raise ValueError(f"pin ttl_s must be in (0, {self.pin_max_ttl_s}], got {ttl_s}")
+        keys = self.chunk_keys(tokens, namespace)
+        if not keys:
+            return {}
+        tenant = namespace.tenant
+        budgets = {name: self.pin_budgets.bytes_for(tenant, name) for name in PIN_TIERS}
+        return await self.tiered.pin(keys, tenant, ttl_s, budgets, estimate_bytes=estimate_chunk_bytes)
 
     def watch_local_tiers(self, listener: TierChanged | None) -> list[str]:
         """Tell ``listener`` which chunks the tiers private to this process (RAM, local disk) store

@@ -32,6 +32,7 @@ import yaml
 from kvmesh.errors import ConfigError
 from kvmesh.store.backends.redis import is_redis_url
 from kvmesh.store.codec import Codec
+from kvmesh.store.pins import PinBudgets
 
 GB = 1 << 30
 LMCACHE_KEYS = frozenset(
@@ -45,6 +46,8 @@ LMCACHE_KEYS = frozenset(
         "remote_serde",
     }
 )
+PIN_TIERS = frozenset({"redis", "fs"})
+"""Tiers that can pin (shared tiers with a ledger)."""
 _SERDE = {"naive": "raw", "cachegen": "int8", "raw": "raw", "int8": "int8", "fp8": "fp8"}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -91,6 +94,17 @@ class StoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     allocation per chunk, whose page faults make it several times slower than the mapping; but a
     disk's I/O error, or a file truncated in place by another program, under a mapping is a
     ``SIGBUS`` that ends the process, where a copying read is a miss."""
+    max_shared_dir_size: float = 0.0
+    """Shared directory budget in GB: writers evict its oldest unpinned chunks past it; 0 (the
+    default) leaves sizing to whoever provisions the directory."""
+    pin_max_ttl_s: float = 86400.0
+    """Longest pin a request may ask for (``{"kvmesh": {"cache_ttl_s": N}}``), in seconds."""
+    max_pinned_remote_size: float = 0.0
+    """GB each tenant may pin in the Redis/Valkey tier (0: no pins there)."""
+    max_pinned_shared_dir_size: float = 0.0
+    """GB each tenant may pin in the shared directory tier (0: no pins there)."""
+    pin_tenant_budgets: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
+    """Per tenant, per tier (``redis``, ``fs``), a pin budget in GB replacing the two above."""
     ignored_keys: list[str] = msgspec.field(default_factory=list)
     """Keys of the source file that kvmesh does not use (LMCache options without a kvmesh meaning)."""
 
@@ -116,8 +130,27 @@ class StoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name in ("disk_timeout_s", "remote_timeout_s", "breaker_backoff_s", "write_queue_mb"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_shared_dir_size", "max_pinned_remote_size", "max_pinned_shared_dir_size"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 GB, got {getattr(self, name)}")
+        if self.pin_max_ttl_s <= 0:
+            raise ConfigError(f"pin_max_ttl_s must be > 0, got {self.pin_max_ttl_s}")
+        for tenant, budgets in self.pin_tenant_budgets.items():
+            for tier, gb in budgets.items():
+                if tier not in PIN_TIERS or gb < 0:
+                    raise ConfigError(
+                        f"pin_tenant_budgets[{tenant!r}]: expected tiers {sorted(PIN_TIERS)} with GB >= 0, "
+                        f"got {tier!r}: {gb}"
+                    )
         if self.breaker_failures < 1:
             raise ConfigError(f"breaker_failures must be ≥ 1, got {self.breaker_failures}")
+
+    def pin_budgets(self) -> PinBudgets:
+        """Each tenant's pin budget per tier."""
+        return PinBudgets(
+            {"redis": self.max_pinned_remote_size, "fs": self.max_pinned_shared_dir_size},
+            self.pin_tenant_budgets,
+        )
 
     def resolved_codec(self) -> Codec:
         """The codec chunks are written with."""

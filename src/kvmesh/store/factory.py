@@ -74,7 +74,12 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
         tiers.append(
             Tier(
                 "fs",
-                SharedDirBackend(shared, fsync=config.disk_fsync, mapped=config.mmap_reads),
+                SharedDirBackend(
+                    shared,
+                    fsync=config.disk_fsync,
+                    mapped=config.mmap_reads,
+                    max_bytes=int(config.max_shared_dir_size * GB),
+                ),
                 timeout_s=config.remote_timeout_s,
                 breaker=_breaker(config),
                 queued=True,

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeAlias, TypeVar
@@ -37,6 +37,7 @@ from kvmesh.store.breaker import CircuitBreaker
 from kvmesh.store.codec import ChunkCodec, DecodedChunk
 from kvmesh.store.keys import StoreKey
 from kvmesh.store.metrics import StoreMetrics, TierCounters, TierSnapshot
+from kvmesh.store.pins import PinOutcome, pin_ledger
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -94,7 +95,7 @@ class Tier:
 @dataclass(slots=True)
 class _WriteOp:
     kind: str
-    """"put" (skip keys the tier already holds), "promote" (put as is) or "delete"."""
+    """"put" (skip keys the tier already holds), "promote" (put as is), "delete" or "pin"."""
     items: list[tuple[StoreKey, ChunkData]] = field(default_factory=list)
     keys: list[StoreKey] = field(default_factory=list)
     on_written: TierWritten | None = None
@@ -102,6 +103,14 @@ class _WriteOp:
     vouch: list[StoreKey] = field(default_factory=list)
     """For "put" with ``on_written``: keys not written whose presence the report should confirm
     (checked in the same ``exists`` call; only those present are reported)."""
+    pin: Callable[[], Awaitable[PinOutcome]] | None = None
+    """For "pin": the ledger call, run after the writes queued before it."""
+    done: asyncio.Future[PinOutcome | None] | None = None
+    """For "pin": its outcome (``None``: dropped, or the tier failed)."""
+
+    def resolve(self, outcome: PinOutcome | None) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_result(outcome)
 
     @property
     def num_bytes(self) -> int:
@@ -408,6 +417,7 @@ class TieredStore:
         # prompt) is taken, else such prompts would never reach this tier.
         if self._closed or (tier.queue_bytes > 0 and tier.queue_bytes + size > tier.max_queue_bytes):
             tier.counters.dropped_writes += len(op.items) or len(op.keys)
+            op.resolve(None)
             return
         if tier._queue is None:
             tier._queue = asyncio.Queue()
@@ -430,6 +440,7 @@ class TieredStore:
                 log.exception("store tier %s: write worker error", tier.name)
                 if op is not None:
                     tier.counters.dropped_writes += len(op.items)
+                    op.resolve(None)
             finally:
                 if op is not None:
                     tier.queue_bytes -= op.num_bytes
@@ -441,6 +452,10 @@ class TieredStore:
         backend = tier.backend
         if op.kind == "delete":
             await self._call(tier, "delete", partial(backend.delete_many, op.keys))
+            return
+        if op.kind == "pin":
+            assert op.pin is not None, "pin op without its ledger call"
+            op.resolve(await self._call(tier, "pin", op.pin))
             return
         items = op.items
         held: list[StoreKey] = []
@@ -473,6 +488,49 @@ class TieredStore:
         for tier in self.tiers:
             if tier._queue is not None and (tiers is None or tier.name in tiers):
                 await tier._queue.join()
+
+    async def pin(
+        self,
+        keys: Sequence[StoreKey],
+        tenant: str,
+        ttl_s: float,
+        budgets: Mapping[str, int],
+        *,
+        estimate_bytes: int | None = None,
+    ) -> dict[str, PinOutcome | None]:
+        """Pin ``keys`` in every tier that can pin and where ``budgets`` gives the tenant bytes.
+
+        A queued tier pins after the writes queued before this call (a prompt's chunks written
+        just before are there to pin). A check (``estimate_bytes`` set) runs at once and changes
+        nothing.
+
+        Args:
+            keys: chunk keys of the tenant's namespace.
+            tenant: whose budget pays.
+            ttl_s: the pin's lifetime in seconds from when the tier takes it.
+            budgets: bytes per tier name; tiers missing or at 0 are skipped.
+            estimate_bytes: check only, counting a chunk the tier lacks at this size.
+
+        Returns:
+            Per tier asked, its outcome; ``None`` where the tier failed or dropped the request.
+        """
+        out: dict[str, PinOutcome | None] = {}
+        waiting: dict[str, asyncio.Future[PinOutcome | None]] = {}
+        for tier in self.tiers:
+            budget = budgets.get(tier.name, 0)
+            ledger = pin_ledger(tier.backend)
+            if budget <= 0 or ledger is None:
+                continue
+            call = partial(ledger.pin_many, list(keys), tenant, ttl_s, budget, estimate_bytes=estimate_bytes)
+            if estimate_bytes is not None or not tier.queued:
+                out[tier.name] = await self._call(tier, "pin", call)
+                continue
+            done: asyncio.Future[PinOutcome | None] = asyncio.get_running_loop().create_future()
+            self._enqueue(tier, _WriteOp("pin", pin=call, done=done))
+            waiting[tier.name] = done
+        for name, done in waiting.items():
+            out[name] = await done
+        return out
 
     # ----------------------------------------------------------------- admin
 
@@ -547,6 +605,10 @@ class TieredStore:
                 with contextlib.suppress(asyncio.CancelledError):
                     await tier._worker
                 tier._worker = None
+            while tier._queue is not None and not tier._queue.empty():
+                left = tier._queue.get_nowait()
+                if left is not None:
+                    left.resolve(None)
             await tier.backend.aclose()
 
 

@@ -7,8 +7,10 @@ reading is safe on POSIX file systems (the reader keeps its open file or mapping
 mapped, not copied, on a memory-backed file system (``/dev/shm`` shared by one host's replicas) and
 copied elsewhere, several at a time (a network file system answers each read after a round trip).
 Readers rely on the chunk checksum, never on the file system, to reject a torn or truncated file.
-The tier does not enforce a byte budget: size the shared directory (or expire it) where it is
-provisioned.
+With ``max_bytes`` set, writers keep the directory within that many bytes of chunks
+(:mod:`~kvmesh.store.backends.fs_sweep`: oldest written first, pinned chunks never); without it
+(the default) size the directory, or expire it, where it is provisioned. Pins:
+:mod:`~kvmesh.store.backends.fs_pins` (:attr:`SharedDirBackend.pins`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ from typing import TypeVar
 from kvmesh.errors import TierUnavailableError
 from kvmesh.store.backends import files
 from kvmesh.store.backends.base import Backend, BackendStats, ChunkData
+from kvmesh.store.backends.fs_pins import SharedDirPinLedger
+from kvmesh.store.backends.fs_sweep import sweep
 from kvmesh.store.keys import StoreKey
 
 T = TypeVar("T")
 STALE_TMP_S = 3600.0
 READ_THREADS = 4
 """Files read at once by one batch (a network file system answers each read after a round trip)."""
+SWEEP_EVERY = 32
+"""A writer sweeps after writing 1/32 of the budget since its last sweep (and at its first write)."""
 
 
 class SharedDirBackend:
@@ -40,14 +46,27 @@ class SharedDirBackend:
         fsync: fsync each file before it is renamed into place.
         mapped: map files rather than copy them (:func:`files.map_or_none`); default: where the
             directory is memory-backed (``/dev/shm``).
+        max_bytes: byte budget of the directory's chunks, kept by sweeps after writes; 0 for none.
     """
 
     kind = "fs"
 
     def __init__(
-        self, root: str | os.PathLike[str], *, fsync: bool = False, mapped: bool | None = None
+        self,
+        root: str | os.PathLike[str],
+        *,
+        fsync: bool = False,
+        mapped: bool | None = None,
+        max_bytes: int = 0,
     ) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.num_evictions = 0
+        self._unswept_bytes: int | None = None
+        """Bytes written since this process last swept; ``None`` before its first write."""
+        self.pins = SharedDirPinLedger(self.root)
         self.fsync = fsync
         self.mapped = files.is_memory_fs(self.root) if mapped is None else mapped
         self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvmesh-fs-read")
@@ -77,7 +96,17 @@ class SharedDirBackend:
     def _write_all(self, items: Sequence[tuple[StoreKey, ChunkData]]) -> int:
         for key, value in items:
             files.write_atomic(self._path(key), value, fsync=self.fsync)
+        if self.max_bytes:
+            self._maybe_sweep(sum(len(v) for _, v in items))
         return len(items)
+
+    def _maybe_sweep(self, written: int) -> None:
+        unswept = written + (self._unswept_bytes or 0)
+        if self._unswept_bytes is not None and unswept < self.max_bytes // SWEEP_EVERY:
+            self._unswept_bytes = unswept
+            return
+        self._unswept_bytes = 0
+        self.num_evictions += sweep(self.root, self.max_bytes).num_evicted
 
     def _unlink_all(self, keys: Sequence[StoreKey]) -> int:
         return sum(files.unlink_quiet(self._path(k)) for k in keys)
@@ -94,7 +123,12 @@ class SharedDirBackend:
             num_chunks += 1
             num_bytes += st.st_size
         return BackendStats(
-            kind=self.kind, num_chunks=num_chunks, num_bytes=num_bytes, extra={"root": str(self.root)}
+            kind=self.kind,
+            num_chunks=num_chunks,
+            num_bytes=num_bytes,
+            capacity_bytes=self.max_bytes,
+            num_evictions=self.num_evictions,
+            extra={"root": str(self.root)},
         )
 
     async def exists_many(self, keys: Sequence[StoreKey]) -> list[bool]:

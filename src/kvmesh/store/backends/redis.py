@@ -6,12 +6,14 @@ protocol; rewritten to ``redis://`` / ``rediss://``). A Redis Cluster is selecte
 then go through redis-py's cluster pipeline, which splits them by slot.
 
 Keys are ``<prefix>:<group>:<chunk key hex>``, so ``flush`` of a group is a ``SCAN MATCH`` over one
-pattern followed by ``UNLINK``. Client-side retries are disabled: a failed call fails fast and the
+pattern followed by ``UNLINK``. Pins live in a ledger beside the chunks
+(:mod:`kvmesh.store.backends.redis_pins`, :attr:`RedisBackend.pins`). Client-side retries are disabled: a failed call fails fast and the
 tiered store's breaker decides when to try again.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -25,7 +27,10 @@ from redis.exceptions import RedisError
 from kvmesh.core.hashing import hex_key
 from kvmesh.errors import TierUnavailableError
 from kvmesh.store.backends.base import Backend, BackendStats, ChunkData
+from kvmesh.store.backends.redis_pins import RedisPinLedger
 from kvmesh.store.keys import StoreKey
+
+log = logging.getLogger(__name__)
 
 _SCHEMES = {
     "redis": ("redis", False),
@@ -120,6 +125,15 @@ class RedisBackend:
             self._client = RedisCluster.from_url(real_url, **options)
         else:
             self._client = aioredis.Redis.from_url(real_url, **options)
+        self.pins = RedisPinLedger(
+            self._client,
+            key_prefix,
+            self._key,
+            unpinned_ttl_ms=self.ttl_ms,
+            cluster=self.cluster,
+            url=self.url,
+        )
+        """Pins of this tier (refused on a cluster or under an ``allkeys-*`` eviction policy)."""
 
     def _key(self, key: StoreKey) -> str:
         return f"{self.key_prefix}:{key.group}:{hex_key(key.chunk)}"
@@ -154,6 +168,11 @@ class RedisBackend:
     async def put_many(self, items: Sequence[tuple[StoreKey, ChunkData]]) -> int:
         if not items:
             return 0
+        try:
+            # Expired pins become evictable before this write adds memory pressure.
+            await self.pins.maybe_release()
+        except TierUnavailableError as exc:
+            log.warning("%s", exc)
         extra = {} if self.ttl_ms is None else {"px": self.ttl_ms}
         replies = await self._pipeline("SET", [("set", (self._key(k), v), extra) for k, v in items])
         return sum(1 for r in replies if r)
