@@ -36,6 +36,8 @@ class _Common(msgspec.Struct, kw_only=True):
     n: int = 1
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    kvmesh: dict[str, Any] | None = None
+    """kvmesh's own options: ``{"cache_ttl_s": N}`` pins the prompt (:mod:`kvmesh.core.pins`)."""
 
 
 class CompletionRequest(_Common, kw_only=True):

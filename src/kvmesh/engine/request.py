@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kvmesh.core.tenancy import Role
+from kvmesh.engine.pins import PinResult
 from kvmesh.engine.runner import KVArray, SamplingParams, Sequence
 from kvmesh.engine.step_scheduler import ScheduledRequest
 from kvmesh.engine.store_connector import LoadedPrefix
@@ -92,6 +93,10 @@ class EngineRequest(ScheduledRequest):
         self.store_done: asyncio.Future[None] | None = None
         """Set while the prompt's KV is being written to the store; done when the write finished."""
         self.store_queued = False
+        self.pin_ttl_s: float | None = None
+        """Pin the prompt's chunks in the store's shared tiers for this long once written."""
+        self.pin_results: list[PinResult] | None = None
+        """What the store's tiers did with the pin (``None``: not pinned yet, or not asked)."""
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
     @property

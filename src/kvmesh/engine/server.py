@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from kvmesh.core.pins import KVMESH_FIELD
 from kvmesh.core.tenancy import Role, resolve_tenant
 from kvmesh.core.tokens import Tokenizer
 from kvmesh.engine.core import EngineCore
@@ -37,6 +38,7 @@ from kvmesh.engine.detokenizer import StopMatcher, StreamDetokenizer
 from kvmesh.engine.info_api import InfoApi
 from kvmesh.engine.metrics import EngineMetrics
 from kvmesh.engine.peer_api import PeerApi
+from kvmesh.engine.pins import admit_pin, refusal_error
 from kvmesh.engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -238,11 +240,19 @@ class EngineServer:
             for p in params:
                 p.max_tokens = 1
         tenant = resolve_tenant(request.headers, body.cache_salt)
+        pin_ttl_s = await admit_pin(
+            self.core.store_sync.store,
+            request.headers,
+            {KVMESH_FIELD: body.kvmesh, "kv_transfer_params": body.kv_transfer_params},
+            ids_list,
+            tenant,
+        )
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         choices: list[_Choice] = []
         try:
             for i, (ids, sp) in enumerate(zip(ids_list, params, strict=True)):
                 req = EngineRequest(f"{rid}-{i}", ids, sp, tenant=tenant, role=role, arrival_time=arrival)
+                req.pin_ttl_s = pin_ttl_s
                 choices.append(_Choice(i, req, StreamDetokenizer(self.tokenizer), StopMatcher(stops)))
             await asyncio.gather(*(self.core.add_request(c.req) for c in choices))
             if body.stream:
@@ -306,6 +316,11 @@ class EngineServer:
                     raise RuntimeError(f"engine failed request {choice.req.request_id}")
                 self._apply(choice, tokens, reason)
             await self._maybe_wait_store(choice)
+            if choice.req.role is Role.PREFILL and choice.req.pin_results:
+                # The prompt is stored but another engine's pin took the budget meanwhile.
+                refused = refusal_error(choice.req.pin_results)
+                if refused is not None:
+                    raise refused
             self._observe(choice)
         out_choices = []
         for c in choices:
@@ -342,8 +357,11 @@ class EngineServer:
         req = choice.req
         if req.role is Role.BOTH:
             return None
-        return {"role": req.role.value, "num_prompt_tokens": req.num_prompt_tokens,
-                "num_cached_tokens": req.num_reported_cached_tokens or 0, "cached_tier": req.cached_tier}  # fmt: skip
+        params = {"role": req.role.value, "num_prompt_tokens": req.num_prompt_tokens,
+                  "num_cached_tokens": req.num_reported_cached_tokens or 0, "cached_tier": req.cached_tier}  # fmt: skip
+        if req.pin_results is not None:
+            params["kvmesh_pins"] = [r.to_dict() for r in req.pin_results]
+        return params
 
     @staticmethod
     def _usage(choices: list[_Choice]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvmesh.core.hashing import Namespace
 from kvmesh.core.types import Medium
+from kvmesh.engine.pins import PinResult
 
 if TYPE_CHECKING:
     from kvmesh.store.keys import StoreKey
@@ -76,12 +77,26 @@ class PrefixStore(Protocol):
         kv: np.ndarray,
         skip_tokens: int = 0,
         on_written: StoreWritten | None = None,
+        every_tier: bool = False,
     ) -> None:
         """Write the chunks of ``tokens`` (KV (L, 2, H, len(tokens), D)) past ``skip_tokens`` the store lacks.
 
         ``on_written`` hears once per tier that took the write (or already held it); never for a
-        tier that dropped it.
+        tier that dropped it. ``every_tier``: write each tier what it lacks, even when the fastest
+        tier holds the chunks (a prompt about to be pinned).
         """
+        ...
+
+    def pin_max_ttl_s(self, tenant: str) -> float | None:
+        """The longest pin ``tenant`` may ask for; ``None`` when it has no pin budget here."""
+        ...
+
+    async def pin(
+        self, tokens: list[int], tenant: str, ttl_s: float, *, check: bool = False
+    ) -> list[PinResult]:
+        """Pin the full chunks of ``tokens`` in the tiers that give ``tenant`` a pin budget, after
+        the writes issued before; ``check``: only say whether it would fit (chunks not yet written
+        counted at the store's chunk size). A tier that failed is left out of the answer."""
         ...
 
     async def drain(self) -> None:
@@ -118,8 +133,17 @@ class NullPrefixStore:
         kv: np.ndarray,
         skip_tokens: int = 0,
         on_written: StoreWritten | None = None,
+        every_tier: bool = False,
     ) -> None:
         return None
+
+    def pin_max_ttl_s(self, tenant: str) -> float | None:
+        return None
+
+    async def pin(
+        self, tokens: list[int], tenant: str, ttl_s: float, *, check: bool = False
+    ) -> list[PinResult]:
+        return []
 
     async def drain(self) -> None:
         return None
@@ -168,9 +192,26 @@ class CacheEngineStore:
         kv: np.ndarray,
         skip_tokens: int = 0,
         on_written: StoreWritten | None = None,
+        every_tier: bool = False,
     ) -> None:
         report = None if on_written is None else _by_medium(on_written)
-        await self._engine.store(tokens, self._ns(tenant), kv, skip_tokens=skip_tokens, on_written=report)
+        await self._engine.store(
+            tokens, self._ns(tenant), kv, skip_tokens=skip_tokens, on_written=report, every_tier=every_tier
+        )
+
+    def pin_max_ttl_s(self, tenant: str) -> float | None:
+        return float(self._engine.pin_max_ttl_s) if self._engine.can_pin(tenant) else None
+
+    async def pin(
+        self, tokens: list[int], tenant: str, ttl_s: float, *, check: bool = False
+    ) -> list[PinResult]:
+        estimate = int(self._engine.tiered.chunk_bytes) if check else None
+        outcomes = await self._engine.pin(tokens, self._ns(tenant), ttl_s, estimate_chunk_bytes=estimate)
+        return [
+            PinResult(o.tier, o.accepted, o.expires_at, o.refusal(tenant), o.over_budget)
+            for o in outcomes.values()
+            if o is not None
+        ]
 
     async def drain(self) -> None:
         await self._engine.drain()

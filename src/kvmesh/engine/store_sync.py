@@ -156,8 +156,9 @@ class StoreSync:
             return
         req.store_queued = True
         n = (req.prompt_len // self.store.chunk_size) * self.store.chunk_size
-        # A cached prefix this long was written when it was first computed (or came from the store).
-        if n == 0 or n <= req.num_cached_tokens:
+        # A cached prefix this long was written when it was first computed (or came from the store);
+        # a prompt to pin is written anyway, to every tier that lacks it.
+        if n == 0 or (n <= req.num_cached_tokens and req.pin_ttl_s is None):
             return
         req.store_done = asyncio.get_running_loop().create_future()
         self._queued.append(req)
@@ -191,8 +192,9 @@ class StoreSync:
             announce = None
             if self.announce_shared:
                 announce = self._shared_announcer(keys, tokens, req.tenant)
+            skip = 0 if req.pin_ttl_s is not None else req.num_cached_tokens
             task = asyncio.create_task(
-                self._write(tokens, keys, req.tenant, kv, req.num_cached_tokens, req.role, done, announce)
+                self._write(tokens, keys, req.tenant, kv, skip, req.role, done, announce, pin_for=req)
             )
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -210,7 +212,10 @@ class StoreSync:
         role: Role,
         done: asyncio.Future[None],
         on_written: StoreWritten | None,
+        *,
+        pin_for: EngineRequest | None = None,
     ) -> None:
+        pin_ttl_s = None if pin_for is None else pin_for.pin_ttl_s
         try:
             ops = self.runner.kv_ops
             # Out of device memory off the event loop (the copy waits for the step in flight).
@@ -218,7 +223,11 @@ class StoreSync:
             if self.local is not None:
                 # Off the step: hashing the prompt's store keys costs about 0.6 ms per 8k tokens.
                 self.local.expect(tokens, keys, tenant)
-            await self.store.store(tokens, tenant, host, skip, on_written=on_written)
+            await self.store.store(
+                tokens, tenant, host, skip, on_written=on_written, every_tier=pin_ttl_s is not None
+            )
+            if pin_for is not None and pin_ttl_s is not None:
+                pin_for.pin_results = await self.store.pin(tokens, tenant, pin_ttl_s)
             if role is Role.PREFILL:
                 # The decode side reads this KV next: it must have reached every tier.
                 await self.store.drain()
