@@ -40,11 +40,23 @@ async def test_completion_shapes(make_engine, http) -> None:
     usage = body["usage"]
     assert usage["completion_tokens"] == 7
     assert usage["total_tokens"] == usage["prompt_tokens"] + 7
-    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0, "kvmesh_cached_tokens_by_tier": {}}
     # Same prompt again: every full block but the one holding the last token comes from the cache.
     status, again = await post(http, f"{eng.url}/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
     n = usage["prompt_tokens"]
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16
+    cached = (n - 1) // 16 * 16
+    assert again["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": cached,
+        "kvmesh_cached_tokens_by_tier": {"GPU": cached},
+    }
+    # Streamed, the same figures go out in a header with the first token.
+    body = {"prompt": PROMPT, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
+    async with http.post(f"{eng.url}/v1/completions", json=body) as r:
+        header = r.headers["x-kvmesh-cached"]
+        raw = (await r.read()).decode()
+    assert header == f"cached={cached};prompt={n};tiers=GPU:{cached}"
+    last = json.loads([line[6:] for line in raw.split("\n") if line.startswith("data: {")][-1])
+    assert last["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
 
 
 async def test_token_ids_and_batch_prompts(make_engine, http) -> None:

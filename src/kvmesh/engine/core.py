@@ -297,6 +297,8 @@ class EngineCore:
         kv = None
         if loaded is not None and loaded.num_tokens > gpu_tokens:
             kv = self.store_sync.to_runner(loaded)
+        if loaded is not None and kv is None and loaded.num_tokens > gpu_tokens:
+            req.store_fault = True
         if loaded is not None and kv is not None:
             num_loaded = loaded.num_tokens // bs
             self.cache.cache_blocks(alloc, req.keys[:num_loaded], req.seq.token_ids, kv, tenant=req.tenant)
@@ -310,6 +312,9 @@ class EngineCore:
         if first_time:
             stats = self.stats
             req.num_reported_cached_tokens = req.num_cached_tokens
+            req.reported_cached_by_tier = {
+                t: n for t, n in ((Medium.GPU.value, gpu_tokens), (tier, extra)) if n > 0
+            }
             stats.num_prefix_query_tokens += req.prompt_len
             stats.num_prefix_hit_tokens += gpu_tokens
             stats.num_prompt_tokens += req.prompt_len

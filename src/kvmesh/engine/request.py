@@ -82,6 +82,11 @@ class EngineRequest(ScheduledRequest):
         self.num_reported_cached_tokens: int | None = None
         """Prompt tokens found cached at the first admission: what ``usage`` reports, as vLLM does.
         A preempted request re-admitted later finds its own blocks cached; that is not a hit."""
+        self.reported_cached_by_tier: dict[str, int] = {}
+        """``num_reported_cached_tokens`` per tier that served them (``Medium`` values)."""
+        self.store_fault = False
+        """A store read for this prompt failed or came back short of what the store said it held
+        (the request recomputed that part)."""
         self.num_output_tokens = 0
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None

@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from kvmesh.core.cache_usage import ENGINE_CACHED_HEADER, CacheUsage
 from kvmesh.core.pins import KVMESH_FIELD
 from kvmesh.core.tenancy import Role, resolve_tenant
 from kvmesh.core.tokens import Tokenizer
@@ -367,12 +368,11 @@ class EngineServer:
     def _usage(choices: list[_Choice]) -> dict[str, Any]:
         prompt = sum(c.req.num_prompt_tokens for c in choices)
         completion = sum(c.req.num_output_tokens for c in choices)
-        cached = sum(c.req.num_reported_cached_tokens or 0 for c in choices)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
+            "prompt_tokens_details": _cache_usage(choices).usage_details(),
         }
 
     async def _stream(
@@ -387,7 +387,6 @@ class EngineServer:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": rid}
         )
-        await resp.prepare(request)
         created = int(time.time())
         model = self.config.served_model_name
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -399,8 +398,13 @@ class EngineServer:
             while choice.finish_reason is None:
                 got = await self._next(request, choice)
                 if got is None:
-                    return resp
+                    return resp if resp.prepared else web.Response(status=499)
                 tokens, reason = got
+                if first:
+                    # Prepared only now: with the first token the request was admitted, so the
+                    # headers can say what its prompt found cached.
+                    resp.headers[ENGINE_CACHED_HEADER] = _cache_usage([choice]).header_value()
+                    await resp.prepare(request)
                 if not first and interval > 0 and reason is None:
                     wait = last_flush + interval - time.monotonic()
                     if wait > 0:
@@ -453,6 +457,20 @@ class EngineServer:
     def info_dict(self) -> dict[str, Any]:
         """The ``/kvmesh/info`` document."""
         return self.info_api.info_dict()
+
+
+def _cache_usage(choices: list[_Choice]) -> CacheUsage:
+    """The cache figures of ``choices``' prompts, summed."""
+    by_tier: dict[str, int] = {}
+    for c in choices:
+        for tier, n in c.req.reported_cached_by_tier.items():
+            by_tier[tier] = by_tier.get(tier, 0) + n
+    return CacheUsage(
+        cached_tokens=sum(c.req.num_reported_cached_tokens or 0 for c in choices),
+        prompt_tokens=sum(c.req.num_prompt_tokens for c in choices),
+        by_tier=by_tier,
+        store_fault=any(c.req.store_fault for c in choices),
+    )
 
 
 async def serve_forever(server: EngineServer, host: str, port: int, ready: Callable[[int], None]) -> None:

@@ -109,8 +109,13 @@ class StoreSync:
             # The store turns tier failures into misses; anything escaping it is a store bug. It is
             # logged loudly and the request recomputes instead of failing.
             self.stats.num_store_read_failures += 1
+            req.store_fault = True
             logger.exception("store lookup failed; recomputing")
             return
+        if stored > local_tokens and (loaded is None or loaded.num_tokens < stored):
+            # The tiers said they held more than they served: a chunk failed its checks or a tier
+            # failed between the lookup and the read.
+            req.store_fault = True
         if loaded is None or loaded.num_tokens <= local_tokens:
             return
         num_tokens = min(loaded.num_tokens, limit_tokens)
@@ -122,6 +127,7 @@ class StoreSync:
                 parts = (await asyncio.to_thread(NUMPY_KV.join_host, parts),)
             except Exception:
                 self.stats.num_store_read_failures += 1
+                req.store_fault = True
                 logger.exception("joining a loaded prefix failed; recomputing")
                 return
         # Device memory is taken at admission (:meth:`to_runner`), not while the request waits.

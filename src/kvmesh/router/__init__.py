@@ -18,6 +18,7 @@ from kvmesh.router.prefix import match_prefix
 from kvmesh.router.redis_index import RedisIndex
 from kvmesh.router.scheduler import Scheduler, load_scheduler_config
 from kvmesh.router.types import Decision, EndpointState, PodMatch, PrefixMatch, Role, RoutingRequest
+from kvmesh.router.usage import UsageLedger
 from kvmesh.router.write_behind import WriteBehindIndex
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "Role",
     "RoutingRequest",
     "Scheduler",
+    "UsageLedger",
     "WriteBehindIndex",
     "load_scheduler_config",
     "match_prefix",

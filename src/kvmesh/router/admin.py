@@ -1,7 +1,9 @@
-"""The admin API, behind a bearer token: endpoints, index flushes and index statistics.
+"""The admin API, behind a bearer token: endpoints, index flushes, index statistics, cache usage.
 
-Routes: ``GET``/``POST``/``DELETE /admin/endpoints``, ``POST /admin/flush`` and
-``GET /admin/index``. Without a configured token every route answers 403.
+Routes: ``GET``/``POST``/``DELETE /admin/endpoints``, ``POST /admin/flush``, ``GET /admin/index``,
+``GET /admin/usage`` (per-tenant prompt, cached and prewarmed tokens), ``GET /admin/explain``
+(the latest requests' ``x-kvmesh-cache``) and ``GET /admin/explain/{request_id}`` (one request's
+cache verdict with every endpoint's scores). Without a configured token every route answers 403.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ class AdminApi:
         app.router.add_delete("/admin/endpoints", self._guard(self._remove_endpoint))
         app.router.add_post("/admin/flush", self._guard(self._flush))
         app.router.add_get("/admin/index", self._guard(self._index_stats))
+        app.router.add_get("/admin/usage", self._guard(self._usage))
+        app.router.add_get("/admin/explain", self._guard(self._recent))
+        app.router.add_get("/admin/explain/{request_id}", self._guard(self._explain))
 
     def _guard(self, handler: Handler) -> Handler:
         async def guarded(request: web.Request) -> web.Response:
@@ -160,6 +165,28 @@ class AdminApi:
         if isinstance(gw.tokenizer, CachedTokenizer):
             body["tokenizer"] = gw.tokenizer.stats()
         return json_response(body)
+
+    async def _usage(self, request: web.Request) -> web.Response:
+        ledger = self.gateway.cache_report.ledger
+        return json_response({"tenants": ledger.snapshot(), "max_tenants": ledger.max_tenants})
+
+    async def _recent(self, request: web.Request) -> web.Response:
+        raw = request.query.get("limit", "50")
+        if not raw.isdigit():
+            raise RequestError("'limit' must be a non-negative integer", param="limit")
+        return json_response({"requests": self.gateway.cache_report.recent(int(raw))})
+
+    async def _explain(self, request: web.Request) -> web.Response:
+        request_id = request.match_info["request_id"]
+        entry = self.gateway.cache_report.explain(request_id)
+        if entry is None:
+            raise RequestError(
+                f"no request {request_id!r} among the last "
+                f"{self.gateway.config.cache_report.explain_history} answered",
+                status=404,
+                param="request_id",
+            )
+        return json_response(entry)
 
 
 async def _json_body(request: web.Request) -> Any:

@@ -17,6 +17,7 @@
     upstream: {maxConnectionsPerEndpoint: 1024, keepaliveS: 15.0}
     flowControl: {enabled: true, maxPredictedTtftSeconds: 10, maxQueueWaitSeconds: 30,
                   maxQueuedRequests: 10000, perTenantMaxQueued: 0}   # see kvmesh.router.flow_control
+    cacheReport: {maxTenants: 256, explainHistory: 1024, seenBlocks: 262144, textPrefixes: 65536}
     endpoints:
       - {url: "http://127.0.0.1:8001"}
       - {url: "http://10.0.0.7:8000", role: decode, eventsEndpoint: "tcp://10.0.0.7:5557"}
@@ -35,6 +36,7 @@ import yaml
 
 from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, HashAlgo
 from kvmesh.errors import ConfigError
+from kvmesh.router.cache_explain import CacheReportConfig
 from kvmesh.router.discovery import DnsDiscoveryConfig
 from kvmesh.router.endpoints import EndpointConfig
 from kvmesh.router.flow_control import FlowControlConfig
@@ -111,6 +113,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     flow_control: FlowControlConfig = msgspec.field(default_factory=FlowControlConfig)
     """Requests wait in the router while every endpoint is saturated (fair across tenants, by
     priority) and are answered 429 past a deadline; see :mod:`kvmesh.router.flow_control`."""
+    cache_report: CacheReportConfig = msgspec.field(default_factory=CacheReportConfig)
+    """Bounds of the ``x-kvmesh-cache`` explanations, ``/admin/explain`` and ``/admin/usage``;
+    see :mod:`kvmesh.router.cache_report`."""
     endpoints: list[EndpointConfig] = msgspec.field(default_factory=list)
     discovery: list[DnsDiscoveryConfig] = msgspec.field(default_factory=list)
     """DNS names (Kubernetes headless Services) whose addresses are engine pods, followed at run

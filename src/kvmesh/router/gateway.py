@@ -10,7 +10,9 @@ Per request::
 
 The body is forwarded unchanged except where the router must add something: ``cache_salt`` when
 the tenant came from ``x-tenant-id`` (so vLLM pods salt their blocks too) and
-``kv_transfer_params`` on P/D legs. Responses carry ``x-kvmesh-endpoint`` naming the endpoint.
+``kv_transfer_params`` on P/D legs. Responses carry ``x-kvmesh-endpoint`` naming the endpoint,
+``x-request-id`` (the client's, or one the router assigns) and ``x-kvmesh-cache`` (cached and
+prompt tokens, and why the rest missed: :mod:`kvmesh.router.cache_report`).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics``, ``POST /v1/kvmesh/prewarm`` (:mod:`kvmesh.router.prewarm`) and
@@ -29,12 +31,15 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvmesh.core.cache_usage import REQUEST_ID_HEADER
 from kvmesh.core.hashing import HashAlgo
 from kvmesh.core.tenancy import ENDPOINT_HEADER as ENDPOINT_HEADER
 from kvmesh.core.tenancy import SESSION_HEADER, TENANT_HEADER
 from kvmesh.core.types import PodId
 from kvmesh.errors import RequestError, TierUnavailableError
 from kvmesh.router.admin import AdminApi
+from kvmesh.router.cache_memory import RememberingIndex, prompt_texts
+from kvmesh.router.cache_report import CacheReasonCollector, CacheReporter
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.discovery import DnsDiscovery
 from kvmesh.router.endpoints import PROBE_CONNECTIONS_PER_ENDPOINT, EndpointPool
@@ -55,11 +60,13 @@ from kvmesh.router.request_parser import RequestParser
 from kvmesh.router.scheduler import Scheduler, load_scheduler_config
 from kvmesh.router.tokenize import CachedTokenizer, PromptTokenizer
 from kvmesh.router.types import Decision, EndpointState, PrefixMatch, RoutingRequest
+from kvmesh.router.usage import UsageCollector
 from kvmesh.router.write_behind import WriteBehindIndex
 
 logger = logging.getLogger(__name__)
 
-_FORWARD_HEADERS = ("authorization", "x-request-id", TENANT_HEADER, SESSION_HEADER)
+_FORWARD_HEADERS = ("authorization", TENANT_HEADER, SESSION_HEADER)
+"""Client headers sent on to the endpoint (``x-request-id`` too, set by the router)."""
 
 
 class Gateway:
@@ -119,6 +126,17 @@ class Gateway:
             clock=time.perf_counter,
             on_timing=self.metrics.observe_scorer,
             memo=self.memo,
+        )
+        self.cache_report = CacheReporter(
+            config.cache_report, self.scheduler, self._engine_block_size, memo=self.memo
+        )
+        """Explains each answer's cache use (``x-kvmesh-cache``, ``/admin/explain``) and counts
+        it per tenant (``/admin/usage``; a prewarm adds its tokens with
+        ``cache_report.ledger.add_prewarmed``)."""
+        report = self.cache_report
+        self.metrics.registry.register(UsageCollector(report.ledger))
+        self.metrics.registry.register(
+            CacheReasonCollector(lambda: (report.requests_by_reason, report.missed_by_reason))
         )
         self.model: str | None = config.model
         self.revision: str | None = config.revision
@@ -215,6 +233,7 @@ class Gateway:
             request_timeout_s=self.config.request_timeout_s,
             max_attempts=self.config.max_attempts,
             on_first_token=None if self.flow_gate is None else self.flow_gate.wake,
+            reporter=self.cache_report,
         )
         self.prefill_leg = PrefillLeg(session, pool, self.metrics, timeout_s=self.config.request_timeout_s)
         for endpoint in self.config.endpoints:
@@ -275,7 +294,7 @@ class Gateway:
         if self.model is None:
             return
         self.applier = EventApplier(
-            self.index,
+            RememberingIndex(self.index, self.cache_report.seen),
             model=self.model,
             revision=self.revision or "",
             block_size=self.config.block_size,
@@ -356,17 +375,31 @@ class Gateway:
             )
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
         headers["Content-Type"] = "application/json"
+        request_id = self.cache_report.request_id(request.headers.get(REQUEST_ID_HEADER))
+        headers[REQUEST_ID_HEADER] = request_id
+        note = self.cache_report.begin(
+            request_id, parsed.tenant, routing, decision, prompt_texts(parsed.body, chat=chat)
+        )
         raw = parsed.raw
         if decision.prefill is not None:
             await prefill_leg.run(request.path, parsed.body, headers, decision.prefill)
             raw = msgspec.json.encode(decode_body(parsed.body))
         self.metrics.prompt_tokens.inc(routing.num_tokens)
         if gate is None:
-            return await proxy.forward(request, raw, headers, decision, routing)
+            return await proxy.forward(request, raw, headers, decision, routing, note=note)
         try:
-            return await proxy.forward(request, raw, headers, decision, routing, extra)
+            return await proxy.forward(request, raw, headers, decision, routing, extra, note=note)
         finally:
             gate.wake()
+
+    def _engine_block_size(self, pod: PodId) -> int | None:
+        """``pod``'s engine block size: from its KV events, else its ``/kvmesh/info``."""
+        size = None if self.applier is None else self.applier.pod_block_size(pod)
+        if size is None and self.pool is not None:
+            endpoint = self.pool.get(pod)
+            if endpoint is not None and endpoint.info is not None:
+                size = endpoint.info.block_size
+        return size
 
     def _pick(self, routing: RoutingRequest, endpoints: list[EndpointState]) -> Decision | None:
         """The scheduler's decision among ``endpoints``; by load alone when the remote index cannot

@@ -31,6 +31,13 @@
                                                 ``shed`` (429 at the deadline), ``cancelled``
 ``kvmesh_router_flow_shed_total{reason}``       requests answered 429: ``deadline``, ``queue_full``,
                                                 ``tenant_queue_full``
+``kvmesh_router_cache_requests_total{reason}``  requests by cache miss reason
+                                                (:mod:`kvmesh.router.cache_report`)
+``kvmesh_router_cache_missed_tokens_total``     prompt tokens not served from cache, by ``reason``
+``kvmesh_router_tenant_*_total{tenant}``        per tenant: ``requests``, ``prompt_tokens``,
+                                                ``cached_tokens`` (and ``tier``),
+                                                ``prewarmed_tokens``, ``unreported_requests``
+                                                (:mod:`kvmesh.router.usage`)
 ==============================================  =============================================
 
 The ingest and endpoint figures are read when scraped (no per-event or per-request cost).

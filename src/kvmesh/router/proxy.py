@@ -2,8 +2,12 @@
 
 A connect failure (refused, reset or closed before any response) marks the endpoint down and the
 request goes to the next ranked endpoint, since nothing was generated for it yet; any later failure
-is the client's 502. SSE is relayed chunk by chunk and never buffered. The engines'
-``usage.prompt_tokens_details.cached_tokens`` is counted as the realized prefix hits.
+is the client's 502. SSE is relayed chunk by chunk and never buffered; a stream's answer starts
+with the engine's first chunk (engines send nothing before their first token), so its headers
+can carry what the engine reported by then. The engines'
+``usage.prompt_tokens_details.cached_tokens`` is counted as the realized prefix hits, and with a
+:class:`~kvmesh.router.cache_report.CacheReporter` every answer gets ``x-kvmesh-cache`` and
+``x-request-id``.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import msgspec
 from aiohttp import web
 from yarl import URL
 
+from kvmesh.core.cache_usage import CACHE_HEADER, ENGINE_CACHED_HEADER, REQUEST_ID_HEADER, CacheUsage
 from kvmesh.core.tenancy import ENDPOINT_HEADER
 from kvmesh.core.types import PodId
+from kvmesh.router.cache_report import CacheNote, CacheReporter
 from kvmesh.router.endpoints import EndpointPool
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.prefill_ledger import PrefillLedger
@@ -45,6 +51,7 @@ class UpstreamProxy:
         max_attempts: endpoints tried per request, down the ranking.
         on_first_token: called when a streamed request's first token arrives (flow control
             re-checks its queue then).
+        reporter: explains and counts each answer's cache use (``None``: no cache headers).
     """
 
     def __init__(
@@ -57,6 +64,7 @@ class UpstreamProxy:
         request_timeout_s: float,
         max_attempts: int,
         on_first_token: Callable[[], None] | None = None,
+        reporter: CacheReporter | None = None,
     ) -> None:
         self.session = session
         self.pool = pool
@@ -64,6 +72,7 @@ class UpstreamProxy:
         self.ledger = ledger
         self.max_attempts = max_attempts
         self.on_first_token = on_first_token
+        self.reporter = reporter
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=2.0)
         self._urls: dict[tuple[PodId, str], URL] = {}
 
@@ -82,6 +91,7 @@ class UpstreamProxy:
         decision: Decision,
         routing: RoutingRequest,
         response_headers: Mapping[str, str] | None = None,
+        note: CacheNote | None = None,
     ) -> web.StreamResponse:
         """Send ``raw`` to ``decision.ranked[0]`` (then the next on connect failures) and relay the answer.
 
@@ -92,6 +102,7 @@ class UpstreamProxy:
             decision: the scheduler's decision.
             routing: the routed request (its id and predicted hits feed the prefill ledger).
             response_headers: added to the answer relayed from the endpoint.
+            note: the request's cache note (settled with the engine's figures).
 
         Returns:
             The relayed answer, or a 502 when no endpoint could be reached.
@@ -129,7 +140,7 @@ class UpstreamProxy:
             if pod == decision.endpoint:
                 self.metrics.predicted_hit_tokens.inc(decision.predicted_hit_tokens)
             try:
-                return await self._relay(request, upstream, pod, rid, response_headers)
+                return await self._relay(request, upstream, pod, rid, response_headers, note)
             finally:
                 upstream.release()
                 pool.end_request(pod)
@@ -144,6 +155,7 @@ class UpstreamProxy:
         pod: PodId,
         request_id: str,
         response_headers: Mapping[str, str] | None,
+        note: CacheNote | None,
     ) -> web.StreamResponse:
         content_type = upstream.headers.get("Content-Type", "application/json")
         if not content_type.startswith("text/event-stream"):
@@ -154,29 +166,51 @@ class UpstreamProxy:
                 return error_response(
                     502, f"endpoint {pod} failed mid-response: {exc}", kind="upstream_error"
                 )
-            self._record_usage(data)
+            usage = self._record_usage(data)
             resp = web.Response(status=upstream.status, body=data, headers={"Content-Type": content_type})
             resp.headers[ENDPOINT_HEADER] = pod
             if response_headers:
                 resp.headers.update(response_headers)
+            if note is not None:
+                resp.headers[REQUEST_ID_HEADER] = note.request_id
+                if upstream.status == 200 and self.reporter is not None:
+                    resp.headers[CACHE_HEADER] = self.reporter.finish(note, pod, usage).header_value()
             return resp
+        chunks = upstream.content.iter_any()
+        try:
+            # The client's answer starts with the engine's first chunk: by then the engine's
+            # headers are in, and the router's can say what it reported.
+            head = await anext(chunks, b"")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.metrics.errors.labels("upstream").inc()
+            return error_response(
+                502, f"endpoint {pod} failed before streaming: {exc}", kind="upstream_error"
+            )
         stream = web.StreamResponse(status=upstream.status)
         stream.headers["Content-Type"] = content_type
         stream.headers["Cache-Control"] = "no-cache"
         stream.headers[ENDPOINT_HEADER] = pod
         if response_headers:
             stream.headers.update(response_headers)
-        await stream.prepare(request)
+        reported = CacheUsage.from_header(upstream.headers.get(ENGINE_CACHED_HEADER))
+        ok = upstream.status == 200
+        if note is not None:
+            stream.headers[REQUEST_ID_HEADER] = note.request_id
+            if ok and self.reporter is not None:
+                verdict = self.reporter.header_verdict(note, pod, reported)
+                stream.headers[CACHE_HEADER] = verdict.header_value()
         tail = b""
-        first = upstream.status == 200
         try:
-            async for chunk in upstream.content.iter_any():
-                if first:
-                    # An engine streams nothing before its first token: this is the prefill's end.
-                    self.ledger.first_token(request_id, time.perf_counter())
-                    first = False
-                    if self.on_first_token is not None:
-                        self.on_first_token()
+            await stream.prepare(request)
+            if head and ok:
+                # An engine streams nothing before its first token: this is the prefill's end.
+                self.ledger.first_token(request_id, time.perf_counter())
+                if self.on_first_token is not None:
+                    self.on_first_token()
+            if head:
+                await stream.write(head)
+                tail = head[-_USAGE_TAIL:]
+            async for chunk in chunks:
                 await stream.write(chunk)
                 tail = (tail + chunk)[-_USAGE_TAIL:]
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -187,30 +221,31 @@ class UpstreamProxy:
             return stream
         except ConnectionResetError:
             return stream
-        self._record_stream_usage(tail)
+        usage = self._record_stream_usage(tail)
+        if note is not None and ok and self.reporter is not None:
+            self.reporter.finish(note, pod, usage if usage is not None else reported)
         with contextlib.suppress(ConnectionResetError):
             await stream.write_eof()
         return stream
 
-    def _record_usage(self, data: bytes) -> None:
+    def _record_usage(self, data: bytes) -> CacheUsage | None:
         try:
             body = msgspec.json.decode(data)
         except msgspec.DecodeError:
-            return
-        self._count_cached(body)
+            return None
+        return self._count_cached(body)
 
-    def _record_stream_usage(self, tail: bytes) -> None:
+    def _record_stream_usage(self, tail: bytes) -> CacheUsage | None:
         for line in reversed(tail.split(b"\n")):
             if line.startswith(b"data: {") and b'"usage"' in line:
-                with contextlib.suppress(msgspec.DecodeError):
-                    self._count_cached(msgspec.json.decode(line[6:]))
-                return
+                try:
+                    return self._count_cached(msgspec.json.decode(line[6:]))
+                except msgspec.DecodeError:
+                    return None
+        return None
 
-    def _count_cached(self, body: Any) -> None:
-        if not isinstance(body, dict):
-            return
-        usage = body.get("usage")
-        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        if type(cached) is int and cached > 0:
-            self.metrics.realized_hit_tokens.inc(cached)
+    def _count_cached(self, body: Any) -> CacheUsage | None:
+        usage = CacheUsage.from_usage(body.get("usage")) if isinstance(body, dict) else None
+        if usage is not None and usage.cached_tokens > 0:
+            self.metrics.realized_hit_tokens.inc(usage.cached_tokens)
+        return usage

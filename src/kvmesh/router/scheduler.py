@@ -45,7 +45,7 @@ from kvmesh.router.plugins.pickers import MaxScorePicker
 from kvmesh.router.plugins.registry import PD_PROFILE_HANDLER, build_plugin, canonical_type
 from kvmesh.router.plugins.scorers import TTFTEstimateScorer
 from kvmesh.router.prefix import match_prefix
-from kvmesh.router.types import Decision, EndpointState, PrefixMatch, RoutingRequest
+from kvmesh.router.types import Decision, EndpointState, PrefixMatch, RoutingRequest, ScoreTerms
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 PRESET_NAMES = ("precise", "llmd-precise", "approximate", "load", "random", "round-robin", "pd")
@@ -97,6 +97,13 @@ class _Ranked:
     ranked: list[PodId]
     candidates: list[EndpointState]
     totals: list[float]
+    names: list[str] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+    columns: list[list[float]] = field(default_factory=list)
+
+    @property
+    def terms(self) -> ScoreTerms:
+        return ScoreTerms(list(map(_POD_OF, self.candidates)), self.names, self.weights, self.columns)
 
     @property
     def scores(self) -> dict[PodId, float]:
@@ -317,6 +324,7 @@ class Scheduler:
             prefill=prefill,
             predicted_hit_tokens=request.prefix.hit_tokens(target),
             profile=profile,
+            terms=result.terms,
         )
 
     def _run(
@@ -348,7 +356,7 @@ class Scheduler:
         ranked = picker.pick(candidates, totals)
         for observer in profile.observers:
             observer.observe(request, ranked[0])
-        return _Ranked(ranked, candidates, totals)
+        return _Ranked(ranked, candidates, totals, [ws.name for ws in profile.scorers], weights, columns)
 
 
 def clamp_scores(scores: list[float]) -> list[float]:

@@ -140,6 +140,33 @@ class RoutingRequest:
 
 
 @dataclass(slots=True)
+class ScoreTerms:
+    """The per-scorer scores behind a decision's totals, kept as the scheduler computed them.
+
+    Attributes:
+        candidates: the endpoints scored, in column order.
+        names: each scorer's name in its profile.
+        weights: each scorer's weight.
+        columns: per scorer, one score in [0, 1] per candidate.
+    """
+
+    candidates: list[PodId]
+    names: list[str]
+    weights: list[float]
+    columns: list[list[float]]
+
+    def of(self, pod: PodId) -> dict[str, float]:
+        """``pod``'s weighted term per scorer (the terms sum to its total score); empty when it
+        was not scored."""
+        try:
+            i = self.candidates.index(pod)
+        except ValueError:
+            return {}
+        div = sum(self.weights) or 1.0
+        return {n: w * col[i] / div for n, w, col in zip(self.names, self.weights, self.columns, strict=True)}
+
+
+@dataclass(slots=True)
 class Decision:
     """Where a request goes.
 
@@ -150,6 +177,7 @@ class Decision:
         prefill: the prefill endpoint when the P/D decider splits the request, else ``None``.
         predicted_hit_tokens: prompt tokens the index says ``endpoint`` already holds.
         profile: name of the scheduling profile that chose ``endpoint``.
+        terms: the deciding profile's per-scorer scores (``None`` when not kept).
     """
 
     endpoint: PodId
@@ -158,3 +186,4 @@ class Decision:
     prefill: PodId | None = None
     predicted_hit_tokens: int = 0
     profile: str = "default"
+    terms: ScoreTerms | None = None

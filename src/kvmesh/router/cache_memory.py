@@ -1,0 +1,235 @@
+"""What the router remembers to explain a cache miss: blocks it saw come and go, texts it tokenized.
+
+Both memories are keyed by values that carry the request's namespace (model, LoRA, tenant), so a
+lookup for one tenant can only ever find what that tenant's own requests and blocks left there:
+
+* :class:`SeenBlocks`: router block keys (chained from a namespace root) → the tiers a block was
+  last held in and when it was removed. Fed by :class:`RememberingIndex`, the index the event
+  applier writes through.
+* :class:`TextPrints`: fingerprints of a prompt's leading text (seeded with the namespace root) →
+  the key of the first block those words were tokenized into.
+
+Both are bounded dicts: past capacity the entries inserted first leave first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvmesh.core.types import BlockKey, Medium, PodId
+from kvmesh.router.index import ALL_MEDIA, BlockIndex, Holders, IndexStats, MediumSet, media_of
+
+_TRIM_FRACTION = 16
+"""Past capacity, a sixteenth more than the excess leaves at once (trims stay rare)."""
+
+
+def _trim(entries: dict[Any, Any], capacity: int) -> None:
+    excess = len(entries) - capacity
+    if excess <= 0:
+        return
+    oldest = list(itertools.islice(entries, excess + capacity // _TRIM_FRACTION))
+    for key in oldest:
+        del entries[key]
+
+
+@dataclass(slots=True, frozen=True)
+class BlockSighting:
+    """What :class:`SeenBlocks` knows of one block.
+
+    Attributes:
+        first_seen: ``time.monotonic()`` when the block was first added.
+        media: the tiers it was first added in (a :data:`MediumSet`).
+        removed_at: ``time.monotonic()`` of its latest removal (0: never removed).
+        removed_media: the tiers named by that removal.
+    """
+
+    first_seen: float
+    media: int
+    removed_at: float = 0.0
+    removed_media: int = 0
+
+    @property
+    def tier(self) -> Medium:
+        """The slowest tier of its latest removal, else of its first add: where it was last seen."""
+        bits = self.removed_media or self.media
+        return media_of(MediumSet(bits))[-1] if bits else Medium.GPU
+
+
+class SeenBlocks:
+    """Bounded memory of router block keys the index held at some point.
+
+    Args:
+        capacity: keys kept (0: remember nothing).
+        clock: monotonic seconds, for first sightings and removals.
+    """
+
+    def __init__(self, capacity: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self.clock = clock
+        self._entries: dict[BlockKey, BlockSighting] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: BlockKey) -> BlockSighting | None:
+        """What is known of ``key`` (``None``: never seen, or forgotten)."""
+        return self._entries.get(key)
+
+    def note_added(self, keys: Sequence[BlockKey], media: MediumSet) -> None:
+        """``keys`` are now held in the tiers ``media`` (known keys keep their history)."""
+        if not self.capacity:
+            return
+        entries = self._entries
+        sighting = BlockSighting(self.clock(), int(media))  # one record for the whole call
+        if entries.keys().isdisjoint(keys):
+            entries.update(zip(keys, itertools.repeat(sighting)))
+        else:
+            for key in keys:
+                entries.setdefault(key, sighting)
+        _trim(entries, self.capacity)
+
+    def note_removed(self, keys: Sequence[BlockKey], media: MediumSet) -> None:
+        """``keys`` left the tiers ``media`` (of some holder)."""
+        if not self.capacity:
+            return
+        entries = self._entries
+        now = self.clock()
+        for key in keys:
+            old = entries.get(key)
+            if old is None:
+                entries[key] = BlockSighting(now, int(media), now, int(media))
+            elif media == ALL_MEDIA:
+                # A removal naming every tier (a flush) says nothing of where the block was.
+                entries[key] = BlockSighting(old.first_seen, old.media, now, old.removed_media)
+            else:
+                entries[key] = BlockSighting(old.first_seen, old.media, now, int(media))
+        _trim(entries, self.capacity)
+
+
+class RememberingIndex:
+    """A :class:`BlockIndex` that tells a :class:`SeenBlocks` what is added and removed.
+
+    The event applier writes through it; lookups pass straight to ``inner``.
+
+    Args:
+        inner: the index.
+        seen: the memory to feed.
+    """
+
+    def __init__(self, inner: BlockIndex, seen: SeenBlocks) -> None:
+        self.inner = inner
+        self.seen = seen
+
+    def add(self, keys: Sequence[BlockKey], pod: PodId, media: MediumSet) -> None:
+        self.inner.add(keys, pod, media)
+        self.seen.note_added(keys, media)
+
+    def remove(self, keys: Sequence[BlockKey], pod: PodId, media: MediumSet = ALL_MEDIA) -> None:
+        self.inner.remove(keys, pod, media)
+        self.seen.note_removed(keys, media)
+
+    def lookup(self, keys: Iterable[BlockKey]) -> list[Holders]:
+        return self.inner.lookup(keys)
+
+    def clear_pod(self, pod: PodId) -> int | None:
+        return self.inner.clear_pod(pod)
+
+    def stats(self) -> IndexStats:
+        return self.inner.stats()
+
+
+if TYPE_CHECKING:
+    _conforms: type[BlockIndex] = RememberingIndex
+
+MIN_PRINT_BYTES = 256
+"""Shorter shared text is not compared: the first block could run past it legitimately."""
+
+_SEPARATOR = b"\x1f"
+
+
+def prompt_texts(body: dict[str, Any], *, chat: bool) -> list[str]:
+    """The text of a request in order: the prompt string, or each chat message's text content.
+
+    Roles and the template are left out on purpose: the same words rendered into other ids is what
+    :class:`TextPrints` is there to notice. Token-id prompts have no text (empty list).
+    """
+    if not chat:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        return [prompt] if isinstance(prompt, str) else []
+    out: list[str] = []
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            out.append(content)
+        elif isinstance(content, list):
+            for part in content:
+                text = part.get("text") if isinstance(part, dict) else None
+                if isinstance(text, str):
+                    out.append(text)
+    return out
+
+
+def text_prints(seed: bytes, texts: Sequence[str]) -> list[bytes]:
+    """Fingerprints of the texts' leading bytes at 256, 512, 1024, ... bytes and at their end,
+    shortest first; each is seeded with ``seed`` (the namespace root key)."""
+    data = _SEPARATOR.join(t.encode("utf-8", "surrogatepass") for t in texts)
+    if len(data) < MIN_PRINT_BYTES:
+        return []
+    view = memoryview(data)
+    digest = hashlib.blake2b(seed, digest_size=12)
+    prints: list[bytes] = []
+    start, stop = 0, MIN_PRINT_BYTES
+    while True:
+        stop = min(stop, len(data))
+        digest.update(view[start:stop])
+        prints.append(digest.copy().digest())
+        if stop == len(data):
+            return prints
+        start, stop = stop, stop * 2
+
+
+class TextPrints:
+    """Bounded memory: leading text (fingerprint) → key of the first block it was tokenized into.
+
+    Args:
+        capacity: fingerprints kept (0: remember nothing).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self._first_keys: dict[bytes, BlockKey] = {}
+
+    def __len__(self) -> int:
+        return len(self._first_keys)
+
+    def tokenized_otherwise(self, prints: Sequence[bytes], first_key: BlockKey) -> bool:
+        """Whether the longest remembered leading text of ``prints`` was tokenized into a first
+        block other than ``first_key``."""
+        known = self._first_keys
+        for fp in reversed(prints):
+            key = known.get(fp)
+            if key is not None:
+                return key != first_key
+        return False
+
+    def remember(self, prints: Sequence[bytes], first_key: BlockKey) -> None:
+        """The texts behind ``prints`` were tokenized into a prompt whose first block is ``first_key``."""
+        if not self.capacity or not prints:
+            return
+        known = self._first_keys
+        for fp in prints:
+            known.pop(fp, None)  # the latest tokenization moves last
+            known[fp] = first_key
+        _trim(known, self.capacity)
