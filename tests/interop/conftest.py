@@ -58,6 +58,7 @@ def vllm_pair(
             model_dir=model_dir,
             store=valkey.url,
             cpu_core=i % 2,
+            max_model_len=8192,  # SmolLM2's whole context: the prewarm test's document fills it
         )
         proc = ManagedProcess(replica.name, replica.argv(), logs / f"{replica.name}.log", env=replica.env())
         servers.append(LiveVllm(replica, proc))
