@@ -100,7 +100,7 @@ async def test_a_pin_over_the_tenants_budget_is_refused_before_any_work(
     steps = server.core.runner.num_steps
 
     status, reply = await post(server, {"prompt": OTHER, "kvmesh": {"cache_ttl_s": 60}}, acme)
-    assert status == 429
+    assert status == 429 and reply["error"]["type"] == "RateLimitError"
     message = reply["error"]["message"]
     assert (
         "pin budget exceeded" in message and "'acme'" in message and "'fs'" in message and "5000" in message

@@ -86,7 +86,7 @@ class ServerConfig:
 
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
     kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 409: "ConflictError",
-            413: "RequestTooLarge"}  # fmt: skip
+            413: "RequestTooLarge", 429: "RateLimitError", 503: "ServiceUnavailableError"}  # fmt: skip
     body = {"error": {"message": message, "type": kind.get(status, "InternalServerError"), "param": param,
                       "code": status}}  # fmt: skip
     return web.Response(status=status, body=_json.encode(body), content_type="application/json")

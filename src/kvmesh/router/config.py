@@ -126,6 +126,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     request_timeout_s: float = 600.0
     max_body_bytes: int = 64 * 1024 * 1024
     """Larger request bodies are answered 413."""
+    max_pin_ttl_s: float = 86400.0
+    """The longest pin (``{"kvmesh": {"cache_ttl_s": N}}``, header ``x-kvmesh-cache-ttl-s``) a
+    request may ask for; longer is a 400. Engines check it against their own store's limit too."""
     tokenize_thread_min_chars: int = 8192
     """Text prompts this long or longer are tokenized on a worker thread (the tokenizer releases
     the GIL, so the event loop keeps serving); shorter ones inline, where the hop would cost more
@@ -165,6 +168,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
             )
         if self.upstream.keepalive_s <= 0:
             raise ConfigError(f"upstream.keepaliveS must be > 0, got {self.upstream.keepalive_s}")
+        if self.max_pin_ttl_s <= 0:
+            raise ConfigError(f"maxPinTtlS must be > 0, got {self.max_pin_ttl_s}")
         if self.max_attempts < 1:
             raise ConfigError(f"maxAttempts must be >= 1, got {self.max_attempts}")
         if self.admin_token is None:

@@ -50,6 +50,7 @@ from kvmesh.router.ingest import EventApplier
 from kvmesh.router.intake import EventIntake
 from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.pins import PinnedBlocks
 from kvmesh.router.plugins.registry import prefill_ledger_of
 from kvmesh.router.prefill_leg import PrefillLeg, decode_body
 from kvmesh.router.prewarm import PrewarmApi
@@ -64,6 +65,9 @@ from kvmesh.router.usage import UsageCollector
 from kvmesh.router.write_behind import WriteBehindIndex
 
 logger = logging.getLogger(__name__)
+
+_PIN_KEY = web.RequestKey("kvmesh_pin", tuple[RoutingRequest, float])
+"""Where a request that asks for a pin keeps (routing request, TTL) for :meth:`Gateway._maybe_record_pin`."""
 
 _FORWARD_HEADERS = ("authorization", TENANT_HEADER, SESSION_HEADER)
 """Client headers sent on to the endpoint (``x-request-id`` too, set by the router)."""
@@ -97,8 +101,12 @@ class Gateway:
             else tokenizer
         )
         self.parser = RequestParser(
-            self.tokenizer, tokenize_thread_min_chars=config.tokenize_thread_min_chars
+            self.tokenizer,
+            tokenize_thread_min_chars=config.tokenize_thread_min_chars,
+            max_pin_ttl_s=config.max_pin_ttl_s,
         )
+        self.pinned = PinnedBlocks()
+        """Block keys of prompts clients pinned: the in-memory index keeps them until expiry."""
         self.metrics = RouterMetrics()
         self.index_is_remote = config.index.backend == "redis" or (
             index is not None and not isinstance(index, InMemoryIndex)
@@ -173,7 +181,7 @@ class Gateway:
                 ttl_s=cfg.ttl_s,
                 max_connections=cfg.redis_max_connections,
             )
-        return InMemoryIndex(cfg.capacity)
+        return InMemoryIndex(cfg.capacity, keep=self.pinned.holds)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -314,10 +322,18 @@ class Gateway:
     # ------------------------------------------------------------------ OpenAI routes
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._route(request, chat=False)
+        return self._maybe_record_pin(request, await self._route(request, chat=False))
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._route(request, chat=True)
+        return self._maybe_record_pin(request, await self._route(request, chat=True))
+
+    def _maybe_record_pin(self, request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+        """Keep a pinned prompt's blocks in the index once an engine accepted the request."""
+        asked = request.get(_PIN_KEY)
+        if asked is not None and response.status == 200:
+            routing, ttl_s = asked
+            self.pinned.pin(self.scheduler.hasher(routing.namespace).hash_blocks(routing.tokens), ttl_s)
+        return response
 
     async def _route(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         started = time.perf_counter()
@@ -333,6 +349,8 @@ class Gateway:
             self.metrics.errors.labels("bad_request").inc()
             return error_response(exc.status, exc.message, param=exc.param)
         routing = parsed.routing
+        if parsed.pin_ttl_s is not None:
+            request[_PIN_KEY] = (routing, parsed.pin_ttl_s)
         if self.index_is_remote:
             routing.prefix = await self._match_off_loop(routing)
         pool, proxy, prefill_leg = self.pool, self.proxy, self.prefill_leg

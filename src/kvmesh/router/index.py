@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NewType, Protocol
 
@@ -149,12 +149,18 @@ class InMemoryIndex:
             ``None`` keeps every key and skips the LRU bookkeeping (a plain dict, no order kept):
             for a caller whose engines report every eviction (the fleet simulator), where the index
             can only be as large as the engines' caches together.
+        keep: a key for which this says ``True`` is passed over by capacity evictions (moved to
+            the recent end) — a client's pin (:class:`~kvmesh.router.pins.PinnedBlocks`). When
+            every key left is kept, the index stays over its capacity.
     """
 
-    def __init__(self, capacity: int | None = DEFAULT_INDEX_CAPACITY) -> None:
+    def __init__(
+        self, capacity: int | None = DEFAULT_INDEX_CAPACITY, *, keep: Callable[[BlockKey], bool] | None = None
+    ) -> None:
         if capacity is not None and capacity <= 0:
             raise ValueError(f"index capacity must be positive, got {capacity}")
         self.capacity = capacity
+        self.keep = keep
         self._lru: OrderedDict[BlockKey, Holders] | None = None if capacity is None else OrderedDict()
         self._blocks: dict[BlockKey, Holders] = {} if self._lru is None else self._lru
         self._maps: dict[tuple[tuple[PodId, MediumSet], ...], Holders] = {}
@@ -214,12 +220,26 @@ class InMemoryIndex:
             self._evict(len(blocks) - self.capacity)
 
     def _evict(self, n: int) -> None:
-        assert self._lru is not None, "eviction from an unbounded index"
-        pop = self._lru.popitem
-        for _ in range(n):
-            _, holders = pop(last=False)
+        lru = self._lru
+        assert lru is not None, "eviction from an unbounded index"
+        pop = lru.popitem
+        keep = self.keep
+        if keep is None:
+            for _ in range(n):
+                _, holders = pop(last=False)
+                self._num_entries -= len(holders)
+            self.num_evicted += n
+            return
+        evicted = passed = 0
+        while evicted < n and passed < len(lru):
+            key, holders = pop(last=False)
+            if keep(key):
+                lru[key] = holders
+                passed += 1
+                continue
             self._num_entries -= len(holders)
-        self.num_evicted += n
+            evicted += 1
+        self.num_evicted += evicted
 
     def remove(self, keys: Sequence[BlockKey], pod: PodId, media: MediumSet = ALL_MEDIA) -> None:
         blocks = self._blocks

@@ -22,10 +22,14 @@ import msgspec
 import numpy as np
 
 from kvmesh.core.hashing import Namespace, as_token_array
+from kvmesh.core.pins import check_pin_ttl, requested_pin_ttl, with_pin_ttl
 from kvmesh.core.tenancy import CACHE_SALT_FIELD, SESSION_HEADER, resolve_tenant
 from kvmesh.errors import RequestError
 from kvmesh.router.tokenize import PromptTokenizer
 from kvmesh.router.types import RoutingRequest
+
+DEFAULT_MAX_PIN_TTL_S = 86400.0
+"""The longest pin a request may ask for unless the router's config says otherwise (one day)."""
 
 _Tokens = np.ndarray | Callable[[], list[int]]
 """Prompt ids already converted, or a call that tokenizes the prompt's text."""
@@ -40,12 +44,15 @@ class ParsedRequest:
         raw: the body to forward: the client's bytes, re-encoded only when ``cache_salt`` was added.
         tenant: the tenant (``""``: none named).
         routing: what the scheduler sees; its ``tokens`` are the u32 prompt ids.
+        pin_ttl_s: the pin the request asks for, in seconds (``None``: none); the forwarded body
+            carries it as ``kvmesh.cache_ttl_s`` and ``kv_transfer_params.kvmesh_cache_ttl_s``.
     """
 
     body: dict[str, Any]
     raw: bytes
     tenant: str
     routing: RoutingRequest
+    pin_ttl_s: float | None = None
 
 
 class RequestParser:
@@ -54,11 +61,19 @@ class RequestParser:
     Args:
         tokenizer: text and chat tokenizer (``None``: text prompts are routed by load only).
         tokenize_thread_min_chars: text at least this long is tokenized on a worker thread.
+        max_pin_ttl_s: the longest pin a request may ask for.
     """
 
-    def __init__(self, tokenizer: PromptTokenizer | None, *, tokenize_thread_min_chars: int) -> None:
+    def __init__(
+        self,
+        tokenizer: PromptTokenizer | None,
+        *,
+        tokenize_thread_min_chars: int,
+        max_pin_ttl_s: float = DEFAULT_MAX_PIN_TTL_S,
+    ) -> None:
         self.tokenizer = tokenizer
         self.tokenize_thread_min_chars = tokenize_thread_min_chars
+        self.max_pin_ttl_s = max_pin_ttl_s
         self._ids = itertools.count()
 
     async def parse(
@@ -78,6 +93,9 @@ class RequestParser:
         """
         body, pending = self._validate(raw, chat=chat)
         tenant = resolve_tenant(headers, body.get(CACHE_SALT_FIELD))
+        pin_ttl_s = requested_pin_ttl(headers, body)
+        if pin_ttl_s is not None:
+            check_pin_ttl(pin_ttl_s, self.max_pin_ttl_s)
         if isinstance(pending, np.ndarray):
             tokens = pending
         elif _is_long(body, self.tokenize_thread_min_chars):
@@ -85,8 +103,15 @@ class RequestParser:
             tokens = as_token_array(await asyncio.to_thread(pending))
         else:
             tokens = as_token_array(pending())
+        rewrite = False
         if tenant and body.get(CACHE_SALT_FIELD) != tenant:
             body[CACHE_SALT_FIELD] = tenant
+            rewrite = True
+        if pin_ttl_s is not None:
+            # Engines read the body, and vLLM hands its KV connector only kv_transfer_params.
+            with_pin_ttl(body, pin_ttl_s)
+            rewrite = True
+        if rewrite:
             raw = msgspec.json.encode(body)
         routing = RoutingRequest(
             request_id=f"r{next(self._ids)}",
@@ -94,7 +119,7 @@ class RequestParser:
             namespace=Namespace(model or str(body.get("model") or ""), revision or "", "", tenant),
             session_id=headers.get(SESSION_HEADER),
         )
-        return ParsedRequest(body, raw, tenant, routing)
+        return ParsedRequest(body, raw, tenant, routing, pin_ttl_s)
 
     def _validate(self, raw: bytes, *, chat: bool) -> tuple[dict[str, Any], _Tokens]:
         """Validate a body; returns it with its token ids, or a call that tokenizes its text."""
