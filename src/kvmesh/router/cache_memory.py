@@ -7,7 +7,7 @@ lookup for one tenant can only ever find what that tenant's own requests and blo
   last held in and when it was removed. Fed by :class:`RememberingIndex`, the index the event
   applier writes through.
 * :class:`TextPrints`: fingerprints of a prompt's leading text (seeded with the namespace root) →
-  the key of the first block those words were tokenized into.
+  the token ids of the first block those words were tokenized into.
 
 Both are bounded dicts: past capacity the entries inserted first leave first.
 """
@@ -199,7 +199,7 @@ def text_prints(seed: bytes, texts: Sequence[str]) -> list[bytes]:
 
 
 class TextPrints:
-    """Bounded memory: leading text (fingerprint) → key of the first block it was tokenized into.
+    """Bounded memory: leading text (fingerprint) → the ids of the first block it was tokenized into.
 
     Args:
         capacity: fingerprints kept (0: remember nothing).
@@ -209,14 +209,14 @@ class TextPrints:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
-        self._first_keys: dict[bytes, BlockKey] = {}
+        self._first_keys: dict[bytes, bytes] = {}
 
     def __len__(self) -> int:
         return len(self._first_keys)
 
-    def tokenized_otherwise(self, prints: Sequence[bytes], first_key: BlockKey) -> bool:
+    def tokenized_otherwise(self, prints: Sequence[bytes], first_key: bytes) -> bool:
         """Whether the longest remembered leading text of ``prints`` was tokenized into a first
-        block other than ``first_key``."""
+        block other than ``first_key`` (its token ids as bytes)."""
         known = self._first_keys
         for fp in reversed(prints):
             key = known.get(fp)
@@ -224,8 +224,9 @@ class TextPrints:
                 return key != first_key
         return False
 
-    def remember(self, prints: Sequence[bytes], first_key: BlockKey) -> None:
-        """The texts behind ``prints`` were tokenized into a prompt whose first block is ``first_key``."""
+    def remember(self, prints: Sequence[bytes], first_key: bytes) -> None:
+        """The texts behind ``prints`` were tokenized into a prompt whose first block's ids are
+        ``first_key``."""
         if not self.capacity or not prints:
             return
         known = self._first_keys

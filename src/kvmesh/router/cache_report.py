@@ -29,6 +29,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from kvmesh.core.cache_usage import CacheUsage
+from kvmesh.core.hashing import as_token_array
 from kvmesh.core.types import BlockKey, PodId
 from kvmesh.router.cache_explain import CacheReportConfig, CacheVerdict, MissFacts, MissReason, explain_miss
 from kvmesh.router.cache_memory import SeenBlocks, TextPrints, text_prints
@@ -68,8 +69,8 @@ class CacheNote:
     header: CacheVerdict | None = None
     verdict: CacheVerdict | None = None
     usage: CacheUsage | None = None
-    prints: tuple[list[bytes], BlockKey | None] | None = None
-    """The text's fingerprints and the prompt's first block key, once computed."""
+    prints: tuple[list[bytes], bytes | None] | None = None
+    """The text's fingerprints and the prompt's first block of token ids, once computed."""
     prompt_tokens: int = 0
     """The router's count of the prompt's tokens."""
     prefix: PrefixMatch | None = None
@@ -206,13 +207,17 @@ class CacheReporter:
         keys = iter_block_keys(hasher, routing.tokens, self.memo)
         return next(itertools.islice(keys, block, None), None)
 
-    def _prints(self, note: CacheNote) -> tuple[list[bytes], BlockKey | None]:
+    def _prints(self, note: CacheNote) -> tuple[list[bytes], bytes | None]:
         if note.prints is None:
             routing = note.routing
             assert routing is not None, "a finished note was settled again"
-            seed = self.scheduler.hasher(routing.namespace).root
-            prints = text_prints(seed, note.texts) if note.texts else []
-            note.prints = (prints, self._key_at(routing, 0)) if prints else ([], None)
+            note.prints = ([], None)
+            if note.texts:
+                hasher = self.scheduler.hasher(routing.namespace)
+                prints = text_prints(hasher.root, note.texts)
+                if prints and hasher.num_full_blocks(routing.num_tokens):
+                    # The prints are seeded with the namespace: the first block's ids suffice.
+                    note.prints = (prints, as_token_array(routing.tokens[: hasher.block_size]).tobytes())
         return note.prints
 
     def _tokenized_otherwise(self, note: CacheNote) -> bool:
