@@ -17,7 +17,7 @@ from kvmesh.core.events import BlockStored
 from kvmesh.core.hashing import BlockHasher, Namespace
 from kvmesh.router.config import router_config_from_dict
 from kvmesh.router.gateway import Gateway
-from kvmesh.router.prewarm import PREWARM_PATH
+from kvmesh.router.prewarm import PREWARM_PATH, one_token_body, prefill_role_body
 from kvmesh.router.prewarm_request import MAX_DOCUMENTS
 from kvmesh.router.types import RoutingRequest
 
@@ -207,10 +207,12 @@ async def test_a_document_is_computed_once_as_a_prefill_then_reported_cached(eng
         assert answer["summary"]["prewarmed"] == 1 and answer["summary"]["blocks_new"] == 12
         (sent,) = completions_received(es)
         assert sent["prompt"] == DOC
-        assert sent["kv_transfer_params"] == {"role": "prefill"}
+        assert sent["kv_transfer_params"]["role"] == "prefill"
         assert sent["max_tokens"] == 1 and sent["stream"] is False
         assert sent["kvmesh"] == {"cache_ttl_s": 3600, "x": [1]}, "forwarded untouched"
         assert sent["cache_salt"] == "acme" and sent["model"] == MODEL
+        # the tenant's usage counts the tokens computed ahead of its requests
+        assert gw.cache_report.ledger.get("acme").prewarmed_tokens == 200
 
         # the engine's GPU blocks reach the index: the same document is now cached, nothing sent
         await until_indexed(gw, DOC, "acme")
@@ -314,7 +316,7 @@ async def test_an_engine_that_publishes_from_its_step_loop_is_nudged_until_the_a
         assert result["status"] == "prewarmed" and result["reached_shared"] is True, result
         computed, *nudges = next(e.received for e in es if e.url == result["endpoint"])
         # not a kvmesh engine: one greedy output token, no P/D role
-        assert "kv_transfer_params" not in computed
+        assert "role" not in computed.get("kv_transfer_params", {})
         assert computed["max_tokens"] == 1 and computed["temperature"] == 0 and computed["stream"] is False
         assert computed["kvmesh"] == {"cache_ttl_s": 60}
         assert nudges and all(n["prompt"] == DOC[:1] and n["max_tokens"] == 1 for n in nudges)
@@ -351,3 +353,17 @@ async def test_a_document_no_endpoint_can_compute_is_reported_failed(engines):
         (result,) = answer["documents"]
         assert result["status"] == "failed" and "no healthy endpoint" in result["error"]
         assert answer["summary"]["failed"] == 1
+
+
+def test_a_prefill_leg_keeps_the_transfer_params_the_body_carries() -> None:
+    body = {"prompt": [1, 2], "stream": True, "kv_transfer_params": {"kvmesh_cache_ttl_s": 60}}
+    leg = prefill_role_body(body)
+    assert leg["kv_transfer_params"] == {"kvmesh_cache_ttl_s": 60, "role": "prefill"}
+    assert leg["max_tokens"] == 1 and leg["stream"] is False
+    assert body["kv_transfer_params"] == {"kvmesh_cache_ttl_s": 60}, "the document's body is not changed"
+    assert one_token_body({"prompt": "x", "temperature": 0.7}) == {
+        "prompt": "x",
+        "stream": False,
+        "max_tokens": 1,
+        "temperature": 0,
+    }

@@ -167,6 +167,8 @@ class Prewarmer:
         pod = await self._compute(doc, req, decision, session, headers, result)
         if pod is None:
             return self._finish(result, await self._match(routing), "failed", started, target_blocks)
+        hit = result.engine_cached_tokens if result.engine_cached_tokens is not None else cached * bs
+        self.gateway.cache_report.ledger.add_prewarmed(req.tenant, max(routing.num_tokens - hit, 0))
         if not waits:
             return self._finish(result, await self._match(routing), "prewarmed", started, target_blocks)
         after = await self._wait_shared(doc, routing, target_blocks, pod, session, headers, plan.timeout_s)
@@ -231,7 +233,7 @@ class Prewarmer:
                 continue
             # A kvmesh engine (it answered /kvmesh/info) returns a prefill-role request once the
             # KV is stored; other engines compute the prompt for one output token.
-            body = prefill_body(req.body) if endpoint.info is not None else one_token_body(req.body)
+            body = prefill_role_body(req.body) if endpoint.info is not None else one_token_body(req.body)
             hit = routing.prefix.hit_tokens(pod) if routing.prefix is not None else 0
             pool.begin_request(pod)
             gw.prefill_ledger.sent(
@@ -312,6 +314,16 @@ class Prewarmer:
                 await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             logger.info("prewarm: nudging %s failed: %s", pod, exc)
+
+
+def prefill_role_body(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` as a P/D prefill leg, keeping the ``kv_transfer_params`` it already carries (a pin's
+    TTL, for one) next to the prefill role."""
+    out = prefill_body(body)
+    given = body.get("kv_transfer_params")
+    if isinstance(given, dict):
+        out["kv_transfer_params"] = {**given, **out["kv_transfer_params"]}
+    return out
 
 
 def one_token_body(body: dict[str, Any]) -> dict[str, Any]:
