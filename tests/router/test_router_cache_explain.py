@@ -140,6 +140,17 @@ def test_routed_for_load_details_and_store_fault_tier():
         "cached=0;prompt=160;reason=routed_for_load;by=96;score=0.750;holder_score=0.250;"
         "terms=queue:+0.750,prefix:-0.250"
     )
+    # a holder the filters left out (unhealthy, saturated) is named as such
+    filtered = PrefixMatch(10, 16, {PodId("http://c:1"): PodMatch(3, {Medium.GPU: 3})})
+    verdict = explain_miss(
+        facts(0, prefix=filtered),
+        seen=SeenBlocks(0),
+        key_at=key,
+        tokenized_otherwise=lambda: False,
+        now=1.0,
+        routed_at=1.0,
+    )
+    assert verdict.header_value() == "cached=0;prompt=160;reason=routed_for_load;by=48;holder=filtered"
     shared = PrefixMatch(10, 16, {A: PodMatch(5, {Medium.GPU: 1, Medium.SHARED: 4})})
     verdict = explain_miss(
         facts(16, prefix=shared, store_fault=True, predicted=False),

@@ -215,11 +215,13 @@ def explain_miss(
 
 
 def _explain_routed(verdict: CacheVerdict, facts: MissFacts, prefix: PrefixMatch, got: int) -> bool:
-    """Set ``routed_for_load`` when a candidate the scheduler passed over held more than ``got``."""
+    """Set ``routed_for_load`` when an endpoint other than the chosen one held more than ``got``:
+    a candidate the scheduler's other terms passed over, or one its filters left out."""
     decision, pod = facts.decision, facts.pod
+    scores = decision.scores
     holder: PodId | None = None
     best = got
-    for other in decision.scores:
+    for other in (*scores, *(p for p in prefix.pods if p not in scores)):
         if other != pod:
             hit = prefix.hit_tokens(other)
             if hit > best:
@@ -228,7 +230,9 @@ def _explain_routed(verdict: CacheVerdict, facts: MissFacts, prefix: PrefixMatch
         return False
     verdict.reason = MissReason.ROUTED_FOR_LOAD
     verdict.details["by"] = best - got
-    scores = decision.scores
+    if holder not in scores:
+        verdict.details["holder"] = "filtered"
+        return True
     if pod in scores:
         verdict.details["score"] = scores[pod]
         verdict.details["holder_score"] = scores[holder]
