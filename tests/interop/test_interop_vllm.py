@@ -243,3 +243,41 @@ def test_restarted_router_rebuilds_its_index_from_vllm_replay(
     # The rebuilt index routes a new question on a known prefix to the replica that holds it.
     _, repeat = group_prompts(seed=2, groups=1, repeats=4)[3]
     assert complete(router["url"], repeat).endpoint == router["holders"][0]
+
+
+def test_router_reports_vllms_cached_tokens_and_says_when_a_stream_header_is_a_prediction(
+    vllm_pair: list[LiveVllm], router: dict[str, Any]
+) -> None:
+    prompt = group_prompts(seed=3, groups=1, repeats=1)[0][1]
+    url = f"{router['url']}/v1/completions"
+
+    def post(stream: bool) -> tuple[dict[str, str], dict[str, Any], str]:
+        body: dict[str, Any] = {"model": "smollm2", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        if stream:
+            body.update(stream=True, stream_options={"include_usage": True})
+        req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            header = dict(item.split("=", 1) for item in resp.headers["x-kvmesh-cache"].split(";"))
+            raw = resp.read()
+            rid = resp.headers["x-request-id"]
+        if not stream:
+            return header, json.loads(raw)["usage"], rid
+        lines = [json.loads(ln[6:]) for ln in raw.split(b"\n") if ln.startswith(b"data: {")]
+        return header, next(c["usage"] for c in lines if c.get("usage")), rid
+
+    header, usage, _ = post(stream=False)
+    assert header["cached"] == str(usage["prompt_tokens_details"]["cached_tokens"])
+    time.sleep(0.5)  # the prefill's BlockStored events reach the router
+    header, usage, _ = post(stream=False)
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and header["cached"] == str(cached) and "predicted" not in header
+    assert header["reason"] == "partial_block"  # vLLM computes the 128-token block holding the last token
+    header, usage, rid = post(stream=True)
+    assert header["predicted"] == "1"  # vLLM sends its usage last: the header is the router's prediction
+    req = urllib.request.Request(
+        f"{router['url']}/admin/explain/{rid}", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        explained = json.loads(resp.read())
+    assert explained["verdict"]["predicted"] is False
+    assert explained["verdict"]["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"] == cached
