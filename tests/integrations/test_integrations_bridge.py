@@ -143,3 +143,44 @@ def test_bad_arguments() -> None:
 
     with pytest.raises(ConfigError):
         StoreBridge("nope://x")
+
+
+@pytest.mark.valkey
+def test_a_pinned_save_is_pinned_and_a_refused_one_is_counted() -> None:
+    from kvmesh.store.local_server import LocalServer, find_server_binary
+
+    if find_server_binary("valkey") is None:
+        pytest.skip("valkey-server binary not found")
+    with LocalServer(
+        "valkey", maxmemory_bytes=64 << 20, extra_args=["--maxmemory-policy", "volatile-lru"]
+    ) as srv:
+        config = StoreConfig(
+            chunk_size=32,
+            local_cpu=False,
+            remote_url=srv.url,
+            redis_ttl_s=3600,
+            max_pinned_remote_size=2500 / (1 << 30),  # one ~1 KiB chunk pinned fits, three do not
+            pin_tenant_budgets={"t2": {"redis": 0.0}},
+        )
+        tokens = list(range(1000, 1100))
+        other = Namespace("m", tenant="t2", kv_dtype="float16", kv_layout="L2xH2xD4")
+        with StoreBridge(config) as bridge:
+            assert bridge.save(tokens[:32], NS, _kv(32), pin_ttl_s=60.0)
+            assert bridge.save(tokens, NS, _kv(100, seed=1))  # not pinned
+            assert bridge.drain(10.0)
+            assert bridge.stats.num_pins == 1 and bridge.stats.num_pins_refused == 0
+            client = bridge.engine.tiered.tiers[0].backend._client  # type: ignore[attr-defined]
+            keys = [
+                bridge.engine.tiered.tiers[0].backend._key(k) for k in bridge.engine.chunk_keys(tokens, NS)
+            ]  # type: ignore[attr-defined]
+            ttls = [bridge._submit_unbounded(client.pttl(k)).result(5) for k in keys]
+            assert ttls[0] == -1 and all(t > 0 for t in ttls[1:]), ttls
+            # pinning the whole prompt would take three chunks: over the budget, refused whole
+            assert bridge.pin(tokens, NS, 60.0)
+            assert bridge.drain(10.0)
+            assert bridge.stats.num_pins_refused == 1
+            assert [bridge._submit_unbounded(client.pttl(k)).result(5) > 0 for k in keys[1:]] == [True, True]
+            # a tenant without a budget is not asked at all
+            assert bridge.save(tokens, other, _kv(100, seed=2), pin_ttl_s=60.0)
+            assert bridge.drain(10.0)
+            assert (bridge.stats.num_pins, bridge.stats.num_pins_refused) == (1, 1)

@@ -204,3 +204,51 @@ def test_bad_sizes_are_rejected() -> None:
         RequestTracker(0, 16)
     with pytest.raises(ValueError, match="positive"):
         num_loadable_tokens(10, 0, 0, 0)
+
+
+def test_a_pinned_request_pins_what_the_store_held_and_each_later_save() -> None:
+    tracker = RequestTracker(32, 16)
+    prompt = list(range(100))
+    tracker.on_lookup("r", prompt, NS, 0, 32, pin_ttl_s=60.0)  # one chunk stored before
+    tracker.on_alloc("r", 32)
+    tracker.on_scheduled(
+        "r",
+        prompt=None,
+        namespace=None,
+        block_ids=range(7),
+        replace_blocks=True,
+        num_computed=32,
+        num_scheduled=68,
+    )
+    _, saves = tracker.take_specs()
+    pin_only, save = saves
+    assert (pin_only.skip_tokens, pin_only.end, pin_only.pin_ttl_s) == (32, 32, 60.0)
+    assert pin_only.token_ids == tuple(prompt[:32])
+    assert (save.skip_tokens, save.end, save.pin_ttl_s) == (32, 96, 60.0)
+    tracker.on_scheduled(
+        "r",
+        prompt=None,
+        namespace=None,
+        block_ids=[],
+        replace_blocks=False,
+        num_computed=100,
+        num_scheduled=1,
+    )
+    assert tracker.take_specs() == ([], []), "the stored chunks were pinned once"
+
+
+def test_an_unpinned_request_emits_no_pin() -> None:
+    tracker = RequestTracker(32, 16)
+    prompt = list(range(100))
+    tracker.on_lookup("r", prompt, NS, 0, 32)
+    tracker.on_scheduled(
+        "r",
+        prompt=None,
+        namespace=None,
+        block_ids=range(7),
+        replace_blocks=True,
+        num_computed=32,
+        num_scheduled=68,
+    )
+    (save,) = tracker.take_specs()[1]
+    assert save.pin_ttl_s is None and (save.skip_tokens, save.end) == (32, 96)

@@ -117,3 +117,16 @@ def with_pin_ttl(body: dict[str, Any], ttl_s: float) -> dict[str, Any]:
         TRANSFER_PIN_TTL_FIELD: ttl_s,
     }
     return body
+
+
+def transfer_pin_ttl(params: object) -> float | None:
+    """The pin lifetime in a request's ``kv_transfer_params`` (what a vLLM KV connector sees).
+
+    Returns ``None`` when there is none.
+
+    Raises:
+        RequestError: the value is not a positive finite number of seconds.
+    """
+    if not isinstance(params, dict) or params.get(TRANSFER_PIN_TTL_FIELD) is None:
+        return None
+    return _as_ttl(params[TRANSFER_PIN_TTL_FIELD], f"kv_transfer_params.{TRANSFER_PIN_TTL_FIELD}")

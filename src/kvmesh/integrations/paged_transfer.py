@@ -137,7 +137,12 @@ class PagedKVTransfer:
             ``False`` when the store refused the save (too many in flight, closed).
         """
         if spec.end <= spec.skip_tokens:
-            return True
+            # Nothing to write; a pin of chunks stored before still goes to the store.
+            return (
+                spec.pin_ttl_s is None
+                or spec.end == 0
+                or self.bridge.pin(spec.token_ids[: spec.end], spec.namespace, spec.pin_ttl_s)
+            )
         g = self.geometry
         start = spec.skip_tokens - spec.skip_tokens % self.bridge.chunk_size
         slots = token_slots(spec.block_ids, g.block_size, start, spec.end)
@@ -154,6 +159,7 @@ class PagedKVTransfer:
             kv_array,
             skip_tokens=spec.skip_tokens,
             on_written=on_written,
+            pin_ttl_s=spec.pin_ttl_s,
         )
         if ok:
             self.stats.num_saved_tokens += spec.end - start

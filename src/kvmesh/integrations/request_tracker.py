@@ -62,6 +62,8 @@ class SaveSpec:
         namespace: the request's store namespace.
         blocks: the engine's names for the prompt's blocks, to announce the write when it lands
             in a shared tier (``None``: not announced).
+        pin_ttl_s: pin the first ``end`` tokens' chunks for this long once saved (``None``: no
+            pin). A spec with ``skip_tokens == end`` only pins (its chunks were stored before).
     """
 
     req_id: str
@@ -71,6 +73,7 @@ class SaveSpec:
     end: int
     namespace: Namespace
     blocks: PromptBlocks | None = None
+    pin_ttl_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -84,6 +87,9 @@ class _Request:
     load_pending: bool = False
     saved_until: int = 0
     blocks: PromptBlocks | None = None
+    pin_ttl_s: float | None = None
+    pinned_stored: bool = False
+    """A pin-only spec was emitted for the chunks the store held at the lookup."""
 
 
 def num_loadable_tokens(prompt_len: int, num_computed: int, num_stored: int, block_size: int) -> int:
@@ -137,6 +143,7 @@ class RequestTracker:
         num_computed: int,
         num_stored: int,
         blocks: PromptBlocks | None = None,
+        pin_ttl_s: float | None = None,
     ) -> int:
         """Record a lookup's outcome and plan the load.
 
@@ -148,6 +155,8 @@ class RequestTracker:
             num_stored: the store's hit (a multiple of the chunk size).
             blocks: the engine's names for the prompt's blocks, passed on with its saves (kept
                 from an earlier lookup when ``None``).
+            pin_ttl_s: pin the prompt's chunks for this long as they are saved (kept from an
+                earlier lookup when ``None``).
 
         Returns:
             Tokens to load beyond ``num_computed`` (the engine allocates blocks for them).
@@ -162,6 +171,8 @@ class RequestTracker:
             req.saved_until = max(req.saved_until, num_stored - num_stored % self.chunk_size)
         if blocks is not None:
             req.blocks = blocks
+        if pin_ttl_s is not None:
+            req.pin_ttl_s = pin_ttl_s
         num_load = num_loadable_tokens(len(req.prompt), num_computed, num_stored, self.block_size)
         req.load_start = num_computed
         req.load_end = num_computed + num_load
@@ -234,6 +245,22 @@ class RequestTracker:
             )
         if not self.save:
             return
+        if req.pin_ttl_s is not None and not req.pinned_stored and req.saved_until > 0:
+            # The chunks stored before this request are pinned now; later saves pin their own.
+            req.pinned_stored = True
+            stored = req.saved_until
+            self._saves.append(
+                SaveSpec(
+                    req_id,
+                    req.prompt[:stored],
+                    tuple(req.block_ids),
+                    stored,
+                    stored,
+                    req.namespace,
+                    None,
+                    req.pin_ttl_s,
+                )
+            )
         done = min(num_computed + num_scheduled, len(req.prompt))
         end = done - done % self.chunk_size
         if end > req.saved_until:
@@ -246,6 +273,7 @@ class RequestTracker:
                     end,
                     req.namespace,
                     req.blocks,
+                    req.pin_ttl_s,
                 )
             )
             req.saved_until = end

@@ -46,6 +46,10 @@ class BridgeStats:
     num_refused: int = 0
     num_errors: int = 0
     num_saves_failed: int = 0
+    num_pins: int = 0
+    """Pins every asked tier took."""
+    num_pins_refused: int = 0
+    """Pins a tier refused (a tenant's budget, or a tier that cannot pin); logged with the reason."""
 
 
 async def _cancel_other_tasks() -> None:
@@ -167,6 +171,7 @@ class StoreBridge:
         *,
         skip_tokens: int = 0,
         on_written: PrefixWritten | None = None,
+        pin_ttl_s: float | None = None,
     ) -> bool:
         """Start saving ``kv`` (covering ``tokens[0:kv.shape[3]]``) without waiting for it.
 
@@ -179,18 +184,60 @@ class StoreBridge:
             skip_tokens: leading tokens known to be stored already.
             on_written: told, on the bridge's loop thread, how far the prompt reaches in each
                 tier whose write succeeded (:meth:`KVCacheEngine.store`).
+            pin_ttl_s: then pin the saved chunks in the shared tiers for this long
+                (:meth:`KVCacheEngine.pin`; written to every tier that lacks them first).
 
         Raises:
             ValueError: ``kv`` is not (L, 2, H, T, D) or covers more than ``tokens``.
         """
         if kv.ndim != 5 or kv.shape[1] != 2 or kv.shape[3] > len(tokens):
             raise ValueError(f"kv must be (L, 2, H, T<={len(tokens)}, D), got {kv.shape}")
+        tokens = list(tokens)
+        store = self.engine.store(
+            tokens,
+            namespace,
+            kv,
+            skip_tokens=skip_tokens,
+            on_written=on_written,
+            every_tier=pin_ttl_s is not None,
+        )
         future = self._submit(
-            self.engine.store(list(tokens), namespace, kv, skip_tokens=skip_tokens, on_written=on_written)
+            store if pin_ttl_s is None else self._store_and_pin(store, tokens, namespace, pin_ttl_s)
         )
         if future is None:
             return False
         self.stats.num_saves += 1
+        with self._saves_lock:
+            self._saves.add(future)
+        future.add_done_callback(self._save_done)
+        return True
+
+    async def _store_and_pin(
+        self, store: Coroutine[Any, Any, None], tokens: list[int], namespace: Namespace, ttl_s: float
+    ) -> None:
+        await store
+        await self._pin(tokens, namespace, ttl_s)
+
+    async def _pin(self, tokens: list[int], namespace: Namespace, ttl_s: float) -> None:
+        """Pin, and count and log what the tiers did (vLLM has answered the request already)."""
+        ttl_s = min(ttl_s, self.engine.pin_max_ttl_s)
+        outcomes = await self.engine.pin(tokens, namespace, ttl_s)
+        refused = [o for o in outcomes.values() if o is not None and not o.accepted]
+        for outcome in refused:
+            _log.warning("kvmesh pin refused: %s", outcome.refusal(namespace.tenant))
+        if refused:
+            self.stats.num_pins_refused += 1
+        elif outcomes:
+            self.stats.num_pins += 1
+
+    def pin(self, tokens: Sequence[int], namespace: Namespace, ttl_s: float) -> bool:
+        """Start pinning the stored chunks of ``tokens`` (already saved) without waiting for it.
+
+        Returns ``False`` when the call was refused (too many in flight, closed).
+        """
+        future = self._submit(self._pin(list(tokens), namespace, ttl_s))
+        if future is None:
+            return False
         with self._saves_lock:
             self._saves.add(future)
         future.add_done_callback(self._save_done)

@@ -42,8 +42,10 @@ from typing import Any, TypeVar
 import torch
 
 from kvmesh.core.hashing import Namespace
+from kvmesh.core.pins import transfer_pin_ttl
 from kvmesh.core.torch_kv import store_dtype_name
 from kvmesh.core.types import ExternalBlockHash, Medium
+from kvmesh.errors import RequestError
 from kvmesh.integrations.connector_config import ConnectorSettings
 from kvmesh.integrations.paged_kv import PagedLayout, check_layers, detect_geometry
 from kvmesh.integrations.paged_transfer import PagedKVTransfer
@@ -374,6 +376,16 @@ def _kv_group_tags(kv_cache_config: Any) -> tuple[int | None, str | None, int | 
     return 0, str(get_kv_cache_spec_kind(spec).value), get_kv_cache_spec_sliding_window(spec)
 
 
+def _pin_ttl(request: Any) -> float | None:
+    """The pin a request asks for in ``kv_transfer_params`` (:mod:`kvmesh.core.pins`); a malformed
+    one is logged and ignored (vLLM accepted the request before the connector sees it)."""
+    try:
+        return transfer_pin_ttl(getattr(request, "kv_transfer_params", None))
+    except RequestError as exc:
+        _log.warning("request %s: %s; not pinned", getattr(request, "request_id", "?"), exc.message)
+        return None
+
+
 def _keyed_by_tokens(request: Any) -> bool:
     """Whether the prompt's token ids alone determine its KV (not so with images or embeddings)."""
     if getattr(request, "mm_features", None) or getattr(request, "mm_hashes", None):
@@ -518,7 +530,9 @@ class KVMeshConnector(_ConnectorBase):
                 num_stored = self.bridge.lookup(prompt, namespace)
             if self.announces_shared_writes and len(prompt) >= self.bridge.chunk_size:
                 blocks = self._prompt_blocks(request)
-        num_load = self.tracker.on_lookup(req_id, prompt, namespace, num_computed_tokens, num_stored, blocks)
+        num_load = self.tracker.on_lookup(
+            req_id, prompt, namespace, num_computed_tokens, num_stored, blocks, _pin_ttl(request)
+        )
         return num_load, False
 
     def _prompt_blocks(self, request: Any) -> PromptBlocks | None:
