@@ -32,19 +32,23 @@ def test_engine_figures_round_trip_through_header_and_usage():
         assert CacheUsage.from_header(bad) is None
 
 
-def test_seen_blocks_keep_the_first_sighting_and_the_latest_removal_and_stay_bounded():
+def test_seen_blocks_keep_the_latest_add_and_removal_apart_and_stay_bounded():
     now = [10.0]
     seen = SeenBlocks(64, clock=lambda: now[0])
     seen.note_added([key(1), key(2)], GPU)
     now[0] = 20.0
     seen.note_removed([key(1)], GPU)
-    seen.note_added([key(1)], SHARED)  # back, in another tier: the history stays
+    now[0] = 30.0
+    seen.note_added([key(1)], SHARED)  # recomputed after its eviction: the removal stays
     first = seen.get(key(1))
-    assert first is not None and (first.first_seen, first.removed_at, first.tier) == (10.0, 20.0, Medium.GPU)
+    assert first is not None and (first.added_at, first.removed_at, first.tier) == (30.0, 20.0, Medium.GPU)
+    assert first.seen_before(25.0) and not first.seen_before(5.0)
     second = seen.get(key(2))
     assert second is not None and second.removed_at == 0 and second.tier is Medium.GPU
+    assert second.seen_before(11.0) and not second.seen_before(10.0)
     seen.note_added([key(i) for i in range(100, 200)], GPU)
-    assert len(seen) <= 64 and seen.get(key(1)) is None and seen.get(key(199)) is not None
+    assert seen.get(key(2)) is None and seen.get(key(199)) is not None
+    assert seen.get(key(1)) is not None  # its removal is still remembered
     off = SeenBlocks(0)
     off.note_added([key(1)], GPU)
     assert off.get(key(1)) is None

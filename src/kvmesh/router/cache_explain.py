@@ -204,7 +204,7 @@ def explain_miss(
         return verdict
     key = key_at(cached // rbs) if len(seen) else None
     sighting = None if key is None else seen.get(key)
-    if sighting is not None and sighting.first_seen < routed_at:
+    if sighting is not None and sighting.seen_before(routed_at):
         verdict.reason = MissReason.EVICTED
         verdict.details["tier"] = sighting.tier.value
         if routed_at > sighting.removed_at > 0:

@@ -42,30 +42,41 @@ class BlockSighting:
     """What :class:`SeenBlocks` knows of one block.
 
     Attributes:
-        first_seen: ``time.monotonic()`` when the block was first added.
-        media: the tiers it was first added in (a :data:`MediumSet`).
-        removed_at: ``time.monotonic()`` of its latest removal (0: never removed).
-        removed_media: the tiers named by that removal.
+        added_at: ``time.monotonic()`` of its latest add (0: none remembered).
+        media: the tiers of that add (a :data:`MediumSet`).
+        removed_at: ``time.monotonic()`` of its latest removal (0: none remembered).
+        removed_media: the tiers named by that removal (0: every tier, as a flush names them).
     """
 
-    first_seen: float
+    added_at: float
     media: int
     removed_at: float = 0.0
     removed_media: int = 0
 
+    def seen_before(self, when: float) -> bool:
+        """Whether the block was added or removed before ``when``."""
+        return 0 < self.removed_at < when or 0 < self.added_at < when
+
     @property
     def tier(self) -> Medium:
-        """The slowest tier of its latest removal, else of its first add: where it was last seen."""
+        """The slowest tier of its latest removal, else of its latest add: where it was last seen."""
         bits = self.removed_media or self.media
         return media_of(MediumSet(bits))[-1] if bits else Medium.GPU
+
+
+_Note = tuple[float, int]
+"""(monotonic time, MediumSet bits) of a block's latest add or removal."""
 
 
 class SeenBlocks:
     """Bounded memory of router block keys the index held at some point.
 
+    Adds and removals are kept apart, each a dict of at most ``capacity`` keys written at C speed
+    (one shared record per call): a block recomputed after its eviction keeps its removal.
+
     Args:
-        capacity: keys kept (0: remember nothing).
-        clock: monotonic seconds, for first sightings and removals.
+        capacity: keys kept per kind, adds and removals (0: remember nothing).
+        clock: monotonic seconds.
     """
 
     def __init__(self, capacity: int, clock: Callable[[], float] = time.monotonic) -> None:
@@ -73,44 +84,33 @@ class SeenBlocks:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         self.clock = clock
-        self._entries: dict[BlockKey, BlockSighting] = {}
+        self._added: dict[BlockKey, _Note] = {}
+        self._removed: dict[BlockKey, _Note] = {}
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._added) + len(self._removed)
 
     def get(self, key: BlockKey) -> BlockSighting | None:
         """What is known of ``key`` (``None``: never seen, or forgotten)."""
-        return self._entries.get(key)
+        added, removed = self._added.get(key), self._removed.get(key)
+        if added is None and removed is None:
+            return None
+        added_at, media = added if added is not None else (0.0, 0)
+        removed_at, removed_media = removed if removed is not None else (0.0, 0)
+        return BlockSighting(added_at, media, removed_at, removed_media)
 
     def note_added(self, keys: Sequence[BlockKey], media: MediumSet) -> None:
-        """``keys`` are now held in the tiers ``media`` (known keys keep their history)."""
-        if not self.capacity:
-            return
-        entries = self._entries
-        sighting = BlockSighting(self.clock(), int(media))  # one record for the whole call
-        if entries.keys().isdisjoint(keys):
-            entries.update(zip(keys, itertools.repeat(sighting)))
-        else:
-            for key in keys:
-                entries.setdefault(key, sighting)
-        _trim(entries, self.capacity)
+        """``keys`` are now held in the tiers ``media``."""
+        if self.capacity:
+            self._added.update(zip(keys, itertools.repeat((self.clock(), int(media)))))
+            _trim(self._added, self.capacity)
 
     def note_removed(self, keys: Sequence[BlockKey], media: MediumSet) -> None:
         """``keys`` left the tiers ``media`` (of some holder)."""
-        if not self.capacity:
-            return
-        entries = self._entries
-        now = self.clock()
-        for key in keys:
-            old = entries.get(key)
-            if old is None:
-                entries[key] = BlockSighting(now, int(media), now, int(media))
-            elif media == ALL_MEDIA:
-                # A removal naming every tier (a flush) says nothing of where the block was.
-                entries[key] = BlockSighting(old.first_seen, old.media, now, old.removed_media)
-            else:
-                entries[key] = BlockSighting(old.first_seen, old.media, now, int(media))
-        _trim(entries, self.capacity)
+        if self.capacity:
+            bits = 0 if media == ALL_MEDIA else int(media)
+            self._removed.update(zip(keys, itertools.repeat((self.clock(), bits))))
+            _trim(self._removed, self.capacity)
 
 
 class RememberingIndex:

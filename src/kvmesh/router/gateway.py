@@ -301,8 +301,9 @@ class Gateway:
                     break
         if self.model is None:
             return
+        seen = self.cache_report.seen
         self.applier = EventApplier(
-            RememberingIndex(self.index, self.cache_report.seen),
+            RememberingIndex(self.index, seen) if seen.capacity else self.index,
             model=self.model,
             revision=self.revision or "",
             block_size=self.config.block_size,
