@@ -19,6 +19,7 @@ import pytest
 
 from kvmesh.core.hashing import Namespace
 from kvmesh.store.backends.fs_pins import PINS_DIR
+from kvmesh.store.backends.redis import RedisBackend
 from kvmesh.store.cache_engine import KVCacheEngine
 from kvmesh.store.config import StoreConfig
 from kvmesh.store.factory import build_store
@@ -72,7 +73,10 @@ def volatile_server(flavor: str, maxmemory: int) -> Iterator[LocalServer]:
     if find_server_binary(flavor) is None:
         pytest.skip(f"{flavor}-server binary not found")
     server = LocalServer(
-        flavor, maxmemory_bytes=maxmemory, extra_args=["--maxmemory-policy", "volatile-lru"]
+        flavor,
+        maxmemory_bytes=maxmemory,
+        # many samples: the server's LRU is approximate, and the tests ask which chunk went first
+        extra_args=["--maxmemory-policy", "volatile-lru", "--maxmemory-samples", "64"],
     ).start()
     try:
         yield server
@@ -293,5 +297,23 @@ async def test_pin_ttl_longer_than_the_configured_maximum_is_caller_misuse(tmp_p
     try:
         with pytest.raises(ValueError, match="ttl_s"):
             await store.pin(prompt(16), NS, store.pin_max_ttl_s + 1)
+    finally:
+        await store.aclose()
+
+
+async def test_a_pinned_chunk_another_writer_rewrote_is_made_persistent_again(volatile: LocalServer) -> None:
+    store = engine(remote_config(volatile.url))
+    try:
+        tokens = prompt(8)
+        await write(store, tokens)
+        assert (await store.pin(tokens, NS, 60.0))["redis"].accepted  # type: ignore[union-attr]
+        backend = store.tiered.tiers[0].backend
+        assert isinstance(backend, RedisBackend)
+        name = backend._key(store.chunk_keys(tokens, NS)[0])
+        # a second engine that found the chunk missing a moment earlier writes it too
+        await backend._client.set(name, await backend._client.get(name), px=3_600_000)
+        assert await backend._client.pttl(name) > 0
+        await backend.pins.release_expired()
+        assert await backend._client.pttl(name) == -1
     finally:
         await store.aclose()

@@ -14,8 +14,12 @@ One Lua call releases the pins past their deadline (``PEXPIRE key redis_ttl_s``:
 chunk again), checks the tenant's budget and pins, atomically, so engines sharing the server share
 one budget and two pins never both squeeze in. Every writer runs the release at most once a second
 before writing (:meth:`RedisPinLedger.maybe_release`): memory pressure comes only from writes, so
-an expired pin is released before it could cost an ordinary chunk its place. The same call gives
-back ``PERSIST`` to pinned keys another engine rewrote (``SET … PX`` restores a TTL).
+an expired pin is released before it could cost an ordinary chunk its place. Each release also
+walks the next 1,024 live pins (a cursor in the ledger) and gives back ``PERSIST`` to any that a
+concurrent writer rewrote (two engines that both found a new chunk missing both ``SET … PX`` it,
+and the later one restores a TTL). A call costs the server a bounded slice of work however many
+pins there are (``benchmarks/store_pins.py``); the price is that such a rewritten pin may stay
+evictable until the cursor comes round (live pins / 1,024 seconds with one writer).
 
 Under an ``allkeys-*`` policy any key may be evicted, so pins are refused with that reason; so are
 pins on a Redis Cluster (the ledger call touches keys of many slots).
@@ -56,10 +60,15 @@ for _, m in ipairs(due) do
   released = released + 1
 end
 if mode == 'release' then
-  for _, m in ipairs(redis.call('ZRANGEBYSCORE', exp, '(' .. now, '+inf')) do
+  local cursor_key = P .. ':pins:cursor'
+  local cursor = tonumber(redis.call('GET', cursor_key) or '0')
+  local slice = redis.call('ZRANGE', exp, cursor, cursor + __BATCH__ - 1)
+  for _, m in ipairs(slice) do
     local key = string.sub(m, string.find(m, '|', 1, true) + 1)
     if redis.call('PTTL', key) > 0 then redis.call('PERSIST', key) end
   end
+  if #slice < __BATCH__ then cursor = 0 else cursor = cursor + __BATCH__ end
+  redis.call('SET', cursor_key, cursor)
   return {released}
 end
 local sizes_key, used_key = P .. ':pins:t:' .. tid, P .. ':pins:u:' .. tid
