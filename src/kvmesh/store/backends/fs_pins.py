@@ -3,7 +3,11 @@
 ::
 
     <root>/.pins/<tenant id>/.lock                 flock: one pin or check of a tenant at a time
-    <root>/.pins/<tenant id>/<group>.<chunk hex>   a pin: text = bytes pinned, mtime = deadline
+    <root>/.pins/<tenant id>/<group>.<chunk hex>   a pin: size = bytes pinned, mtime = deadline
+
+A marker is a sparse file whose length is the chunk's size: it takes no data blocks, and one
+``stat`` (which the directory scan makes anyway for the deadline) gives both figures, so a tenant's
+usage costs two ``stat`` calls per live pin (the marker's and its chunk's) and no reads.
 
 The directory's sweeper (:mod:`kvmesh.store.backends.fs_sweep`) never evicts a chunk with a live
 marker. A marker whose deadline passed, or whose chunk file is gone (flushed, deleted as corrupt),
@@ -84,6 +88,15 @@ def is_pinned(root: Path, name: str, now: float) -> bool:
     return False
 
 
+def _write_marker(path: Path, size: int, deadline: float) -> None:
+    """A sparse file of ``size`` bytes with mtime ``deadline``, put in place by a rename."""
+    tmp = path.parent / f"{files.TMP_PREFIX}{os.getpid()}-{path.name}"
+    with open(tmp, "wb") as f:
+        f.truncate(size)
+    os.utime(tmp, (deadline, deadline))
+    os.replace(tmp, path)
+
+
 class SharedDirPinLedger:
     """Pins of one shared directory.
 
@@ -105,9 +118,9 @@ class SharedDirPinLedger:
                 path = Path(entry.path)
                 chunk = chunk_path_of_marker(self.root, entry.name)
                 try:
-                    expired = entry.stat(follow_symlinks=False).st_mtime <= now
-                    size = int(path.read_text() or "0")
-                except (FileNotFoundError, ValueError):
+                    st = entry.stat(follow_symlinks=False)
+                    expired, size = st.st_mtime <= now, st.st_size
+                except FileNotFoundError:
                     expired, size = True, 0
                 if expired or chunk is None or not chunk.is_file():
                     files.unlink_quiet(path)
@@ -149,8 +162,7 @@ class SharedDirPinLedger:
             for name, size in sizes.items():
                 marker = tenant_dir / name
                 if name not in live:
-                    files.write_atomic(marker, str(size).encode())
-                    os.utime(marker, (deadline, deadline))
+                    _write_marker(marker, size, deadline)
                 elif marker.stat().st_mtime < deadline:
                     os.utime(marker, (deadline, deadline))
             return PinOutcome("fs", True, pinned, missing, used + added, added, budget, deadline)
