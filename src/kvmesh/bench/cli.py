@@ -51,7 +51,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workload",
         default="llmd-73-scaled-quick",
-        help="a preset (llmd-73, llmd-73-scaled, llmd-73-scaled-quick, agentic-scaled) or a workload YAML file",
+        help="a preset (llmd-73, llmd-73-scaled, llmd-73-scaled-quick, agentic-scaled, agentic-scaled-2x) or a workload YAML file",
     )
     p.add_argument("--trace", type=Path, default=None, help="replay a Mooncake-format jsonl trace instead")
     p.add_argument("--speedup", type=float, default=1.0, help="trace replay speed-up factor")

@@ -156,7 +156,7 @@ AGENTIC_SCALED_KV_CAPACITY = 12_288
 8 × Qwen3-32B fleet of ``kvmesh/sim/examples/agentic.yaml`` holds about 0.55 of its sessions'."""
 
 
-def agentic_scaled(*, seed: int = 0) -> ScaledRun:
+def agentic_scaled(*, seed: int = 0, load: float = 1.0) -> ScaledRun:
     """Coding-agent sessions (:class:`AgenticWorkload`) scaled to emulated engines on one 2-core machine.
 
     The shape of ``kvmesh/sim/examples/agentic.yaml`` (shared system prompt and tools, growing contexts
@@ -164,10 +164,12 @@ def agentic_scaled(*, seed: int = 0) -> ScaledRun:
     cap) with contexts of a few thousand tokens instead of tens of thousands, so that SmolLM2's
     8,192-token context (what emulated engines load) holds them: 24 sessions, 6,144-token cap, about
     570 requests of 3,300 tokens on average and 16-token outputs; about a minute per scheduler.
+    ``load`` scales how many sessions run at once (an agent is a closed loop: its load is
+    concurrency): ``load`` × 24 sessions starting ``1 / load`` s apart.
     """
     w = AgenticWorkload(
-        num_sessions=24,
-        session_interval_s=1.0,
+        num_sessions=round(24 * load),
+        session_interval_s=1.0 / load,
         system_prompt_len=1024,
         task_len={"median": 400, "sigma": 0.6, "min": 50, "max": 2000},
         num_turns={"median": 20, "sigma": 0.5, "min": 10, "max": 60},
@@ -179,7 +181,7 @@ def agentic_scaled(*, seed: int = 0) -> ScaledRun:
         block_tokens=256,
         seed=seed,
         vocab_size=SMOLLM2_VOCAB,
-        name="agentic-scaled",
+        name="agentic-scaled" + ("" if load == 1.0 else f"-{load:g}x"),
     )
     desc = (
         f"coding-agent sessions scaled: {w.num_sessions} sessions about {w.mean_session_interval_s:g} s apart, "
@@ -195,5 +197,6 @@ PRESETS: dict[str, Callable[[], ScaledRun]] = {
     "llmd-73-scaled-demo": lambda: llmd_73_scaled("demo"),
     "llmd-73-scaled-quick": lambda: llmd_73_scaled("quick"),
     "agentic-scaled": agentic_scaled,
+    "agentic-scaled-2x": lambda: agentic_scaled(load=2.0),
 }
 """``kvmesh bench ... --workload NAME`` accepts these names as well as YAML files."""
