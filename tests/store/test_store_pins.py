@@ -18,11 +18,14 @@ import numpy as np
 import pytest
 
 from kvmesh.core.hashing import Namespace
+from kvmesh.core.types import BlockKey
 from kvmesh.store.backends.fs_pins import PINS_DIR
+from kvmesh.store.backends.memory import MemoryBackend
 from kvmesh.store.backends.redis import RedisBackend
 from kvmesh.store.cache_engine import KVCacheEngine
 from kvmesh.store.config import StoreConfig
 from kvmesh.store.factory import build_store
+from kvmesh.store.keys import StoreKey
 from kvmesh.store.local_server import LocalServer, find_server_binary
 from kvmesh.store.pins import GB
 
@@ -315,5 +318,61 @@ async def test_a_pinned_chunk_another_writer_rewrote_is_made_persistent_again(vo
         assert await backend._client.pttl(name) > 0
         await backend.pins.release_expired()
         assert await backend._client.pttl(name) == -1
+    finally:
+        await store.aclose()
+
+
+# ------------------------------------------------------------------ RAM tier (best effort)
+
+
+def ram_key(i: int) -> StoreKey:
+    return StoreKey("00000000000000cd", BlockKey(i.to_bytes(16, "big")))
+
+
+async def test_the_ram_tier_passes_pinned_chunks_over_until_their_deadline() -> None:
+    backend = MemoryBackend(10 * 1000)
+    await backend.put_many([(ram_key(i), b"x" * 1000) for i in range(2)])
+    outcome = await backend.pins.pin_many([ram_key(0), ram_key(1)], "acme", 1.0, 5000)
+    assert outcome.accepted and outcome.used_bytes == 2000
+    await backend.put_many([(ram_key(i), b"y" * 1000) for i in range(100, 130)])
+    assert await backend.exists_many([ram_key(0), ram_key(1), ram_key(100)]) == [True, True, False]
+    assert backend.num_evictions == 22
+
+    await asyncio.sleep(1.1)
+    await backend.put_many([(ram_key(i), b"z" * 1000) for i in range(200, 210)])
+    assert await backend.exists_many([ram_key(0), ram_key(1)]) == [False, False]
+    assert len(backend.pins) == 0
+
+
+async def test_a_ram_tier_full_of_pins_refuses_the_new_chunk_and_budgets_hold() -> None:
+    backend = MemoryBackend(3 * 1000)
+    await backend.put_many([(ram_key(i), b"x" * 1000) for i in range(3)])
+    assert (await backend.pins.pin_many([ram_key(0), ram_key(1)], "acme", 60.0, 2000)).accepted
+    over = await backend.pins.pin_many([ram_key(2)], "acme", 60.0, 2000)
+    assert over.over_budget and over.added_bytes == 1000
+    assert (await backend.pins.pin_many([ram_key(2)], "beta", 60.0, 2000)).accepted
+    assert await backend.put_many([(ram_key(9), b"y" * 1000)]) == 0
+    assert await backend.exists_many([ram_key(i) for i in (0, 1, 2, 9)]) == [True, True, True, False]
+    await backend.delete_many([ram_key(2)])
+    assert len(backend.pins) == 2 and await backend.put_many([(ram_key(9), b"y" * 1000)]) == 1
+
+
+async def test_the_store_pins_in_the_ram_tier_within_its_budget(tmp_path: Path) -> None:
+    config = StoreConfig(
+        max_local_cpu_size=(12 * CHUNK_BYTES) / GB,
+        max_pinned_local_cpu_size=(3 * CHUNK_BYTES) / GB,
+    )
+    store = engine(config)
+    try:
+        pinned = prompt(21, num_chunks=2)
+        await write(store, pinned)
+        outcomes = await store.pin(pinned, NS, 60.0)
+        assert set(outcomes) == {"cpu"} and outcomes["cpu"] is not None and outcomes["cpu"].accepted
+        await flood(store, 900, 30)
+        assert await store.lookup(pinned, NS) == 2 * CHUNK
+        more = prompt(22, num_chunks=2)
+        await write(store, more)
+        refused = (await store.pin(more, NS, 60.0))["cpu"]
+        assert refused is not None and refused.over_budget and "'cpu'" in refused.refusal("acme")
     finally:
         await store.aclose()

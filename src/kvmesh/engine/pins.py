@@ -56,7 +56,7 @@ def no_budget_error(tenant: str) -> RequestError:
     who = f"tenant {tenant!r}" if tenant else "the default tenant"
     return RequestError(
         f"pin budget exceeded: {who} has no pin budget in this engine's store "
-        "(max_pinned_remote_size, max_pinned_shared_dir_size or pin_tenant_budgets)",
+        "(max_pinned_remote_size, max_pinned_shared_dir_size, max_pinned_local_cpu_size or pin_tenant_budgets)",
         status=PIN_BUDGET_STATUS,
         param="kvmesh",
     )

@@ -46,8 +46,8 @@ LMCACHE_KEYS = frozenset(
         "remote_serde",
     }
 )
-PIN_TIERS = frozenset({"redis", "fs"})
-"""Tiers that can pin (shared tiers with a ledger)."""
+PIN_TIERS = frozenset({"cpu", "redis", "fs"})
+"""Tiers that can pin (the shared tiers, and the RAM tier best effort)."""
 _SERDE = {"naive": "raw", "cachegen": "int8", "raw": "raw", "int8": "int8", "fp8": "fp8"}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -103,8 +103,11 @@ class StoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """GB each tenant may pin in the Redis/Valkey tier (0: no pins there)."""
     max_pinned_shared_dir_size: float = 0.0
     """GB each tenant may pin in the shared directory tier (0: no pins there)."""
+    max_pinned_local_cpu_size: float = 0.0
+    """GB each tenant may pin in this process's RAM tier (0: no pins there; best effort: kept by
+    the tier's LRU while they fit, forgotten at a restart)."""
     pin_tenant_budgets: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
-    """Per tenant, per tier (``redis``, ``fs``), a pin budget in GB replacing the two above."""
+    """Per tenant, per tier (``cpu``, ``redis``, ``fs``), a pin budget in GB replacing the ones above."""
     ignored_keys: list[str] = msgspec.field(default_factory=list)
     """Keys of the source file that kvmesh does not use (LMCache options without a kvmesh meaning)."""
 
@@ -130,7 +133,12 @@ class StoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name in ("disk_timeout_s", "remote_timeout_s", "breaker_backoff_s", "write_queue_mb"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_shared_dir_size", "max_pinned_remote_size", "max_pinned_shared_dir_size"):
+        for name in (
+            "max_shared_dir_size",
+            "max_pinned_remote_size",
+            "max_pinned_shared_dir_size",
+            "max_pinned_local_cpu_size",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 GB, got {getattr(self, name)}")
         if self.pin_max_ttl_s <= 0:
@@ -148,7 +156,11 @@ class StoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def pin_budgets(self) -> PinBudgets:
         """Each tenant's pin budget per tier."""
         return PinBudgets(
-            {"redis": self.max_pinned_remote_size, "fs": self.max_pinned_shared_dir_size},
+            {
+                "cpu": self.max_pinned_local_cpu_size,
+                "redis": self.max_pinned_remote_size,
+                "fs": self.max_pinned_shared_dir_size,
+            },
             self.pin_tenant_budgets,
         )
 

@@ -1,4 +1,4 @@
-"""In-process RAM tier: an LRU of encoded chunks under a byte budget."""
+"""In-process RAM tier: an LRU of encoded chunks under a byte budget, pinned chunks passed over."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from kvmesh.store.backends.base import Backend, BackendStats, ChunkData
 from kvmesh.store.backends.changes import ChangeLog, ChunksChanged, Watchable
+from kvmesh.store.backends.memory_pins import MemoryPinLedger
 from kvmesh.store.keys import StoreKey
 
 
@@ -15,7 +16,9 @@ class MemoryBackend:
 
     Runs on the caller's event loop with no locks: every method completes without awaiting.
     A ``get`` or ``put`` makes the key most recently used; inserting evicts from the least
-    recently used end until the new item fits. An item larger than the whole budget is refused.
+    recently used end until the new item fits, passing over pinned chunks (:attr:`pins`; when only
+    pinned chunks are left, the new item is not stored). An item larger than the whole budget is
+    refused.
     Values are kept as given when they are ``bytes`` and copied otherwise (a view may change, or
     map a file).
 
@@ -34,6 +37,12 @@ class MemoryBackend:
         self._entries: OrderedDict[StoreKey, bytes] = OrderedDict()
         self._num_bytes = 0
         self.num_evictions = 0
+        self.pins = MemoryPinLedger(self._size_of)
+        """Pins of this tier (best effort: this process's, kept while they fit)."""
+
+    def _size_of(self, key: StoreKey) -> int | None:
+        value = self._entries.get(key)
+        return None if value is None else len(value)
 
     @property
     def num_bytes(self) -> int:
@@ -67,12 +76,24 @@ class MemoryBackend:
                 if old is not None and log is not None:
                     log.dropped(key)
                 continue
-            while self._num_bytes + size > self.capacity_bytes:
+            pinned = self.pins.holds if len(self.pins) else None
+            passed = 0
+            while self._num_bytes + size > self.capacity_bytes and passed < len(self._entries):
                 gone, evicted = self._entries.popitem(last=False)
+                if pinned is not None and pinned(gone):
+                    self._entries[gone] = evicted
+                    passed += 1
+                    continue
                 self._num_bytes -= len(evicted)
                 self.num_evictions += 1
                 if log is not None:
                     log.dropped(gone)
+            if self._num_bytes + size > self.capacity_bytes:
+                # only pinned chunks are left: they stay, this one is not stored
+                self.pins.forget([key])
+                if old is not None and log is not None:
+                    log.dropped(key)
+                continue
             self._entries[key] = value if isinstance(value, bytes) else bytes(value)
             self._num_bytes += size
             stored += 1
@@ -90,6 +111,7 @@ class MemoryBackend:
             if value is not None:
                 self._num_bytes -= len(value)
                 removed += 1
+                self.pins.forget([key])
                 if log is not None:
                     log.dropped(key)
         if log is not None:

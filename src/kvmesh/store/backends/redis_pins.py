@@ -67,8 +67,11 @@ if mode == 'release' then
     local key = string.sub(m, string.find(m, '|', 1, true) + 1)
     if redis.call('PTTL', key) > 0 then redis.call('PERSIST', key) end
   end
-  if #slice < __BATCH__ then cursor = 0 else cursor = cursor + __BATCH__ end
-  redis.call('SET', cursor_key, cursor)
+  if #slice < __BATCH__ then
+    redis.call('DEL', cursor_key)
+  else
+    redis.call('SET', cursor_key, cursor + __BATCH__)
+  end
   return {released}
 end
 local sizes_key, used_key = P .. ':pins:t:' .. tid, P .. ':pins:u:' .. tid
