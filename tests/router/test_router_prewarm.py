@@ -213,21 +213,31 @@ async def test_a_document_is_computed_once_as_a_prefill_then_reported_cached(eng
         assert sent["cache_salt"] == "acme" and sent["model"] == MODEL
         # the tenant's usage counts the tokens computed ahead of its requests
         assert gw.cache_report.ledger.get("acme").prewarmed_tokens == 200
+        # the pin keeps the document's blocks in the router's index until it expires
+        keys = gw.scheduler.hasher(Namespace(MODEL, tenant="acme")).hash_blocks(DOC)
+        assert len(keys) == 12 and all(gw.pinned.holds(k) for k in keys)
 
         # the engine's GPU blocks reach the index: the same document is now cached, nothing sent
         await until_indexed(gw, DOC, "acme")
-        status, again = await prewarm(client, body, {"x-tenant-id": "acme"})
+        unpinned = {**body, "documents": [{"id": "manual", "prompt_token_ids": DOC}]}
+        status, again = await prewarm(client, unpinned, {"x-tenant-id": "acme"})
         (cached,) = again["documents"]
         assert cached["status"] == "cached" and cached["endpoint"] is None
         assert (cached["blocks_cached"], cached["blocks_new"]) == (12, 0)
         assert cached["tiers_before"] == {"GPU": 12}
         assert len(completions_received(es)) == 1
 
+        # asking for a pin again is sent although cached: the engine pins (extends) what it holds
+        status, repinned = await prewarm(client, body, {"x-tenant-id": "acme"})
+        assert repinned["documents"][0]["blocks_cached"] == 12
+        assert len(completions_received(es)) == 2
+        assert completions_received(es)[-1]["kvmesh"]["cache_ttl_s"] == 3600
+
         # another tenant's namespace holds nothing of it
         status, other = await prewarm(client, body, {"x-tenant-id": "globex"})
         assert other["documents"][0]["status"] == "prewarmed"
         assert other["documents"][0]["blocks_cached"] == 0
-        assert len(completions_received(es)) == 2
+        assert len(completions_received(es)) == 3
 
 
 async def until_indexed(gw: Gateway, tokens: list[int], tenant: str = "", *, shared: bool = False) -> None:

@@ -157,7 +157,8 @@ class Prewarmer:
         )
         waits = plan.wait_for_shared and target_blocks > 0
         held = shared_blocks(before) >= target_blocks if waits else 0 < before.num_blocks <= cached
-        if held:
+        if held and req.pin_ttl_s is None:
+            # a pin is still sent: the engine finds the prefix cached and pins (or extends) it
             return self._finish(result, before, "cached", started, target_blocks)
         routing.prefix = before
         decision = self._pick(routing)
@@ -167,6 +168,9 @@ class Prewarmer:
         pod = await self._compute(doc, req, decision, session, headers, result)
         if pod is None:
             return self._finish(result, await self._match(routing), "failed", started, target_blocks)
+        if req.pin_ttl_s is not None:
+            gw = self.gateway
+            gw.pinned.pin(gw.scheduler.hasher(routing.namespace).hash_blocks(routing.tokens), req.pin_ttl_s)
         hit = result.engine_cached_tokens if result.engine_cached_tokens is not None else cached * bs
         self.gateway.cache_report.ledger.add_prewarmed(req.tenant, max(routing.num_tokens - hit, 0))
         if not waits:
