@@ -15,11 +15,12 @@ from kvmesh.router.flow_control import (
     ShedReason,
     Ticket,
     TicketState,
+    continues_cached_work,
 )
 from kvmesh.router.index import InMemoryIndex
 from kvmesh.router.plugins.scorers import TTFTEstimateScorer
 from kvmesh.router.scheduler import Scheduler, load_scheduler_config
-from kvmesh.router.types import EndpointState, RoutingRequest
+from kvmesh.router.types import EndpointState, PodMatch, PrefixMatch, RoutingRequest
 
 
 def never(item: object) -> bool:
@@ -102,6 +103,37 @@ def test_higher_priority_first_and_may_go_straight_through():
     assert ctrl.depths() == {("A", 0): 3, ("B", 5): 1, ("C", 5): 1}
     assert drain(ctrl) == ["mid", "mid2", "lo0", "lo1", "lo2"]
     assert ctrl.top_priority() is None and ctrl.depths() == {}
+
+
+def test_within_a_priority_work_the_fleet_holds_goes_first():
+    ctrl = controller()
+    ctrl.offer("cold0", tenant="A", priority=0, now=0.0, fits=never)
+    ctrl.offer("warm0", tenant="A", priority=0, now=0.0, fits=never, continuing=True)
+    ctrl.offer("cold1", tenant="B", priority=0, now=0.0, fits=never)
+    ctrl.offer("urgent", tenant="B", priority=1, now=0.0, fits=never)
+    # a continuing arrival that fits overtakes the cold ones queued at its priority...
+    assert ctrl.offer("warm1", tenant="C", priority=0, now=0.0, fits=always, continuing=True).state is (
+        TicketState.QUEUED  # ...but not the continuing one already waiting, nor a higher priority
+    )
+    assert ctrl.top_priority() == 1 and ctrl.top_rank() == (1, False)
+    assert ctrl.depths() == {("A", 0): 2, ("B", 0): 1, ("B", 1): 1, ("C", 0): 1}
+    assert drain(ctrl) == ["urgent", "warm0", "warm1", "cold0", "cold1"]
+    # with only cold requests queued, a continuing one that fits goes straight through
+    ctrl.offer("cold2", tenant="A", priority=0, now=2.0, fits=never)
+    assert ctrl.offer("warm2", tenant="B", priority=0, now=2.0, fits=always, continuing=True).state is (
+        TicketState.ADMITTED
+    )
+    assert ctrl.offer("cold3", tenant="B", priority=0, now=2.0, fits=always).state is TicketState.QUEUED
+
+
+def test_continuing_work_is_a_share_of_the_prompt_cached_somewhere():
+    match = PrefixMatch(10, 16, pods={"a": PodMatch(6), "b": PodMatch(9)})
+    assert continues_cached_work(match, 160, 0.9)  # b holds 144 of 160 tokens
+    assert not continues_cached_work(match, 161, 0.9)
+    assert not continues_cached_work(match, 160, 0.0)  # off
+    assert not continues_cached_work(None, 160, 0.9) and not continues_cached_work(match, 0, 0.9)
+    shared = PrefixMatch(10, 16, shared=PodMatch(10))
+    assert continues_cached_work(shared, 160, 1.0)  # the shared tier counts for every endpoint
 
 
 def test_deadlines_shed_in_order_and_a_request_may_only_lower_its_own():
@@ -199,6 +231,9 @@ def test_config_defaults_and_validation():
         FlowControlConfig(max_queued_requests=-1)
     with pytest.raises(ConfigError, match="tickSeconds"):
         FlowControlConfig(tick_seconds=0)
+    assert cfg.continuation_share == 0.9
+    with pytest.raises(ConfigError, match="continuationShare"):
+        FlowControlConfig(continuation_share=1.5)
 
 
 # --- saturation ------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def test_overload_is_shed_instead_of_timing_out():
     assert s.num_ok > without.num_ok  # the fleet's time went to requests that got served
     # served requests waited at most the deadline in the router, then what the estimate allowed:
     # none came near the client's timeout (without flow control, 500+ of them ran past it)
-    assert s.ttft.max < 0.7 * 30.0
+    assert s.ttft.max < 0.75 * 30.0
     flow = report.flow
     assert flow is not None and flow.num_shed == s.num_shed and flow.num_removed == 0
     assert flow.num_queued == flow.num_dispatched + flow.num_shed
@@ -48,6 +48,24 @@ def test_overload_is_shed_instead_of_timing_out():
     assert len(shed) == s.num_shed and all(r.ttft_s is None for r in shed)
     out = report.to_dict()
     assert out["summary"]["num_shed"] == s.num_shed and out["flow_control"]["num_shed"] == s.num_shed
+
+
+def test_under_overload_work_the_fleet_holds_goes_first():
+    """Prompts mostly cached somewhere (repeats of earlier ones) overtake cold ones while the fleet
+    is saturated: more of the fleet's time goes to cheap requests, more are served, sooner."""
+    wl = long_prompts(rate=60.0)
+
+    def run(share: float):
+        flow = FlowControlConfig(
+            max_predicted_ttft_seconds=2.0, max_queue_wait_seconds=10.0, continuation_share=share
+        )
+        return build_report(simulate(fleet(flow=flow), wl)).summary
+
+    fifo, continuing_first = run(0.0), run(0.9)
+    assert fifo.num_timeouts == continuing_first.num_timeouts == 0
+    assert continuing_first.num_ok > 1.1 * fifo.num_ok
+    assert continuing_first.hit_rate > fifo.hit_rate
+    assert continuing_first.ttft.median < 0.7 * fifo.ttft.median
 
 
 def test_below_saturation_nothing_changes():

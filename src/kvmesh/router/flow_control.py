@@ -6,13 +6,13 @@ object. Nothing here sleeps, schedules or knows about HTTP.
 
 ::
 
-    offer(item) ──► fits and nothing of its priority or higher is queued? ──► ADMITTED
+    offer(item) ──► fits and nothing of its band or higher is queued? ──► ADMITTED
          │                                        no
          ▼
     queue bound reached? ──► SHED (queue_full / tenant_queue_full)
          │ no
          ▼
-    band[priority] ─► tenant rotation ─► FIFO per tenant              (QUEUED)
+    band[priority, continuing] ─► tenant rotation ─► FIFO per tenant   (QUEUED)
          │
          ├── next_ready(now, fits): highest band, next tenant in turn, its oldest request,
          │                          if it fits (else nothing: no request overtakes another)
@@ -22,6 +22,12 @@ Fairness: within a priority band, tenants take turns one request at a time (roun
 request count), so a tenant flooding the queue delays each other tenant by at most one of its own
 requests per turn. Arrivals never overtake what is already queued at their priority or above;
 a higher-priority arrival that fits goes straight through.
+
+Continuing work first: within a priority, a request that continues work the fleet holds (at least
+``continuationShare`` of its prompt cached somewhere: a session's next turn) forms a band above the
+others (new sessions, compactions, evicted histories). Under overload those cold prompts are the
+ones that wait and meet the deadline; serving them instead would take a session's turn's worth of
+GPU time several times over and evict the contexts of the sessions already running.
 
 Saturation (:class:`SaturationDetector`) is asked per request: every healthy endpoint is at
 ``maxWaitingPerEndpoint`` / ``maxInFlightPerEndpoint`` (when set) or predicts a time to first token
@@ -46,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import msgspec
 
 from kvmesh.errors import ConfigError
-from kvmesh.router.types import EndpointState, RoutingRequest
+from kvmesh.router.types import EndpointState, PrefixMatch, RoutingRequest
 
 if TYPE_CHECKING:
     from kvmesh.router.scheduler import Scheduler
@@ -83,6 +89,11 @@ class FlowControlConfig(msgspec.Struct, forbid_unknown_fields=True, rename="came
     """Requests one tenant may have queued at once (0: only the global bound)."""
     tick_seconds: float = 0.02
     """How often the gateway re-checks the queue's head besides first tokens and completions."""
+    continuation_share: float = 0.9
+    """A request whose prompt is at least this share cached somewhere (the index's longest match
+    over the endpoints and the shared tier) continues work the fleet holds: while requests wait, it
+    goes ahead of the others of its priority (0: off). Under overload the cold and recomputed
+    prompts wait, and are shed at the deadline, rather than the turns of sessions in progress."""
 
     def __post_init__(self) -> None:
         for name in ("max_predicted_ttft_seconds", "max_queue_wait_seconds"):
@@ -100,6 +111,18 @@ class FlowControlConfig(msgspec.Struct, forbid_unknown_fields=True, rename="came
                 raise ConfigError(f"flowControl.{_camel(name)} must be >= 0, got {value}")
         if not self.tick_seconds > 0:
             raise ConfigError(f"flowControl.tickSeconds must be > 0, got {self.tick_seconds}")
+        if not 0.0 <= self.continuation_share <= 1.0:
+            raise ConfigError(
+                f"flowControl.continuationShare must lie in [0, 1], got {self.continuation_share}"
+            )
+
+
+def continues_cached_work(prefix: PrefixMatch | None, num_tokens: int, share: float) -> bool:
+    """Whether at least ``share`` of a ``num_tokens`` prompt is cached somewhere, by ``prefix``
+    (``share`` 0, no match or an empty prompt: no)."""
+    if share <= 0 or prefix is None or num_tokens <= 0:
+        return False
+    return prefix.longest_blocks() * prefix.block_size >= share * num_tokens
 
 
 def _camel(name: str) -> str:
@@ -137,6 +160,7 @@ class Ticket(Generic[T]):
         item: the caller's request object.
         tenant: whose request it is (``""``: none named).
         priority: its band; higher is served first.
+        continuing: it continues cached work (``continuationShare``): first within its priority.
         offered_s: when it was offered.
         deadline_s: when it is shed if still queued.
         state: where it stands.
@@ -153,6 +177,12 @@ class Ticket(Generic[T]):
     state: TicketState = TicketState.QUEUED
     reason: ShedReason | None = None
     left_s: float = -1.0
+    continuing: bool = False
+
+    @property
+    def rank(self) -> tuple[int, bool]:
+        """Its queue band: priority, then continuing cached work first."""
+        return (self.priority, self.continuing)
 
     @property
     def waited_s(self) -> float:
@@ -203,7 +233,7 @@ class FlowController(Generic[T]):
         self.per_tenant_max_queued = per_tenant_max_queued
         self.max_wait_s = max_wait_s
         self.stats = FlowStats()
-        self._bands: dict[int, _Band] = {}
+        self._bands: dict[tuple[int, bool], _Band] = {}
         self._deadlines: list[tuple[float, int, Ticket[T]]] = []
         self._by_tenant: Counter[str] = Counter()
         self._depths: Counter[tuple[str, int]] = Counter()
@@ -233,10 +263,11 @@ class FlowController(Generic[T]):
         now: float,
         fits: Callable[[T], bool],
         max_wait_s: float | None = None,
+        continuing: bool = False,
     ) -> Ticket[T]:
         """Admit ``item`` now, queue it, or shed it.
 
-        It is admitted when nothing of its priority or higher is queued (no overtaking) and
+        It is admitted when nothing of its band or higher is queued (no overtaking) and
         ``fits(item)`` says an endpoint can take it; otherwise it is queued, or shed when the queue,
         the tenant's share of it, or its own wait (``max_wait_s`` = 0) leaves no room.
 
@@ -247,15 +278,16 @@ class FlowController(Generic[T]):
             now: the current time.
             fits: whether an endpoint can take a request now (not called when it must queue anyway).
             max_wait_s: the request's own wait limit; only lowers the controller's.
+            continuing: it continues cached work; queued ahead of the others of its priority.
 
         Returns:
             Its ticket: ``ADMITTED``, ``QUEUED`` or ``SHED`` (with the reason).
         """
         wait = self.max_wait_s if max_wait_s is None else min(max(max_wait_s, 0.0), self.max_wait_s)
         self._seq += 1
-        ticket = Ticket(item, tenant, priority, now, now + wait, self._seq)
-        top = self.top_priority()
-        if (top is None or top < priority) and fits(item):
+        ticket = Ticket(item, tenant, priority, now, now + wait, self._seq, continuing=continuing)
+        top = self.top_rank()
+        if (top is None or top < ticket.rank) and fits(item):
             ticket.state = TicketState.ADMITTED
             ticket.left_s = now
             self.stats.num_admitted += 1
@@ -266,9 +298,9 @@ class FlowController(Generic[T]):
             return self._shed_on_arrival(ticket, ShedReason.TENANT_QUEUE_FULL, now)
         if wait <= 0:
             return self._shed_on_arrival(ticket, ShedReason.DEADLINE, now)
-        band = self._bands.get(priority)
+        band = self._bands.get(ticket.rank)
         if band is None:
-            band = self._bands[priority] = _Band()
+            band = self._bands[ticket.rank] = _Band()
         queue = band.queues.get(tenant)
         if queue is None:
             queue = band.queues[tenant] = deque()
@@ -293,12 +325,18 @@ class FlowController(Generic[T]):
 
     def top_priority(self) -> int | None:
         """The highest priority with a queued request (``None``: the queue is empty)."""
-        return max((p for p, band in self._bands.items() if band.num_queued), default=None)
+        top = self.top_rank()
+        return None if top is None else top[0]
+
+    def top_rank(self) -> tuple[int, bool] | None:
+        """The highest band (priority, continuing) with a queued request (``None``: none)."""
+        return max((r for r, band in self._bands.items() if band.num_queued), default=None)
 
     def next_ready(self, now: float, fits: Callable[[T], bool]) -> Ticket[T] | None:
         """Take the request whose turn it is, if it fits.
 
-        The turn goes to the highest band, then to the tenant next in that band's rotation, then to
+        The turn goes to the highest band (priority, then continuing cached work), then to the tenant
+        next in that band's rotation, then to
         that tenant's oldest request. When that request does not fit nothing is taken: no request
         overtakes another.
 
@@ -309,7 +347,7 @@ class FlowController(Generic[T]):
         Returns:
             The request's ticket (``DISPATCHED``), or ``None``.
         """
-        top = self.top_priority()
+        top = self.top_rank()
         if top is None:
             return None
         band = self._bands[top]
@@ -363,8 +401,8 @@ class FlowController(Generic[T]):
 
     def queued(self) -> Iterator[Ticket[T]]:
         """Every queued ticket, band by band (highest first), each tenant's in FIFO order."""
-        for priority in sorted(self._bands, reverse=True):
-            for queue in self._bands[priority].queues.values():
+        for rank in sorted(self._bands, reverse=True):
+            for queue in self._bands[rank].queues.values():
                 yield from queue
 
     def depths(self) -> dict[tuple[str, int], int]:
@@ -391,7 +429,7 @@ class FlowController(Generic[T]):
     # ------------------------------------------------------------------ internals
 
     def _unlink(self, ticket: Ticket[T], now: float) -> None:
-        band = self._bands[ticket.priority]
+        band = self._bands[ticket.rank]
         queue = band.queues[ticket.tenant]
         queue.remove(ticket)
         if not queue:
@@ -404,7 +442,7 @@ class FlowController(Generic[T]):
         if not band.queues[tenant]:
             del band.queues[tenant]
         if not band.num_queued:
-            del self._bands[ticket.priority]
+            del self._bands[ticket.rank]
         self._count(ticket, -1)
 
     def _count(self, ticket: Ticket[T], delta: int) -> None:

@@ -33,6 +33,7 @@ from kvmesh.router.flow_control import (
     ShedReason,
     Ticket,
     TicketState,
+    continues_cached_work,
 )
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.prefill_ledger import PrefillLedger
@@ -150,6 +151,19 @@ class FlowGate:
 
     # ------------------------------------------------------------------ requests
 
+    def _continues_cached_work(self, routing: RoutingRequest) -> bool:
+        """Whether ``continuationShare`` of the prompt is cached somewhere; matches the prefix
+        (kept on ``routing`` for routing) unless the gateway matched it already."""
+        share = self.config.continuation_share
+        if share <= 0:
+            return False
+        if routing.prefix is None:
+            try:
+                routing.prefix = self.scheduler.match(routing)
+            except TierUnavailableError:
+                return False
+        return continues_cached_work(routing.prefix, routing.num_tokens, share)
+
     async def admit(
         self,
         routing: RoutingRequest,
@@ -180,7 +194,13 @@ class FlowGate:
         self.ledger.refresh(now)
         waiter = _Waiter(routing, request)
         ticket = self.controller.offer(
-            waiter, tenant=tenant, priority=priority, now=now, fits=self._fits, max_wait_s=max_wait_s
+            waiter,
+            tenant=tenant,
+            priority=priority,
+            now=now,
+            fits=self._fits,
+            max_wait_s=max_wait_s,
+            continuing=self._continues_cached_work(routing),
         )
         if ticket.state is TicketState.SHED:
             self._count_shed(ticket)

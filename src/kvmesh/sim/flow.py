@@ -79,7 +79,12 @@ class SimFlowControl:
         now = self.loop.now
         gateway = req.gateway = self.router.next_gateway()
         ticket = self.controllers[gateway].offer(
-            req, tenant=req.group or "", priority=0, now=now, fits=self._fits(gateway, now)
+            req,
+            tenant=req.group or "",
+            priority=0,
+            now=now,
+            fits=self._fits(gateway, now),
+            continuing=self.router.continues_cached_work(req, self.config.continuation_share),
         )
         if ticket.state is TicketState.ADMITTED:
             return self._allowed

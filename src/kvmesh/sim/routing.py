@@ -19,7 +19,7 @@ from kvmesh.core.events import KVEvent
 from kvmesh.core.hashing import HashAlgo
 from kvmesh.core.types import PodId
 from kvmesh.errors import ConfigError
-from kvmesh.router.flow_control import SaturationDetector
+from kvmesh.router.flow_control import SaturationDetector, continues_cached_work
 from kvmesh.router.index import InMemoryIndex
 from kvmesh.router.ingest import EventApplier
 from kvmesh.router.plugins.registry import prefill_ledger_of
@@ -187,6 +187,14 @@ class SimRouter:
         # the estimate reads the prompt's length and its matched prefix only: no token list is built
         request = RoutingRequest(req.request_id, range(req.prompt_len), self.namespace, prefix=prefix)
         return detector.admissible(self.schedulers[gateway], request, self._states[gateway])
+
+    def continues_cached_work(self, req: SimRequest, share: float) -> bool:
+        """Whether ``share`` of ``req``'s prompt is cached somewhere, by the index (flow control's
+        ``continuationShare``)."""
+        if share <= 0 or not req.keys:
+            return False
+        prefix = match_prefix_keys(self.index, req.keys, len(req.keys), self.block_size)
+        return continues_cached_work(prefix, req.prompt_len, share)
 
     def route(
         self,
