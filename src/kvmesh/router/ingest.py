@@ -103,6 +103,14 @@ class _PodBlocks(dict[ExternalBlockHash, BlockKey | _Entry]):
             self.update(zip(hashes, zip(keys, repeat(ns_id), repeat(bits), strict=False), strict=True))
 
 
+def event_medium(ev: BlockStored | BlockRemoved) -> Medium:
+    """The tier an event speaks of: a remote tier behind vLLM's native offloading (locality
+    ``REMOTE``, such as kvmesh's secondary tier) is reachable from every pod, so it counts as SHARED."""
+    if ev.locality is not None and ev.locality.upper() == "REMOTE":
+        return Medium.SHARED
+    return Medium.parse(ev.medium)
+
+
 def _key_of(value: BlockKey | _Entry) -> BlockKey:
     return value[0] if isinstance(value, tuple) else value
 
@@ -307,7 +315,7 @@ class EventApplier:
             return
         if verdict is GroupVerdict.SWITCH:
             self._drop_blocks(origin)
-        bits = MEDIUM_BITS[Medium.parse(ev.medium)]
+        bits = MEDIUM_BITS[event_medium(ev)]
         if bits == _SHARED_BIT:
             if not ev.token_ids:
                 self._add_shared(origin, hashes)
@@ -483,13 +491,13 @@ class EventApplier:
     def _removed(self, pod: PodId, ev: BlockRemoved) -> None:
         if not self._groups.admit_removed(pod, ev.group_idx):
             return
-        if ev.medium and Medium.parse(ev.medium) is Medium.SHARED:
+        if event_medium(ev) is Medium.SHARED:
             pod = SHARED_TIER_HOLDER
         blocks = self._pods.get(pod)
         if blocks is None:
             self.stats.num_unknown_hashes += len(ev.block_hashes)
             return
-        bits = MEDIUM_BITS[Medium.parse(ev.medium)]
+        bits = MEDIUM_BITS[event_medium(ev)]
         sub = self._sub_keys.get(pod)
         keys: list[BlockKey] = []
         num_removed = 0

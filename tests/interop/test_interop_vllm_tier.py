@@ -1,0 +1,86 @@
+"""kvmesh as a vLLM secondary tier, against vLLM's own classes (run in ``.venv-vllm``).
+
+Each check of ``vllm_tier_checks.py`` runs in vLLM's interpreter; the router side runs here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvmesh.core.events import BlockStored
+from kvmesh.core.hashing import BlockHasher, Namespace
+from kvmesh.core.types import PodId
+from kvmesh.fleet.vllm import vllm_python
+from kvmesh.router.index import InMemoryIndex
+from kvmesh.router.ingest import EventApplier
+from kvmesh.router.prefix import match_prefix
+from kvmesh.store.local_server import LocalServer
+
+CHECKS = Path(__file__).with_name("vllm_tier_checks.py")
+
+
+@pytest.fixture(scope="module")
+def valkey_server() -> Iterator[LocalServer]:
+    server = LocalServer("valkey").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    "check",
+    ["share_valkey", "share_shared_dir", "corrupt_and_missing", "dead_server", "slow_server", "backpressure"],
+)
+def test_tier_check_under_vllm(check: str, valkey_server: LocalServer, tmp_path: Path) -> None:
+    args = [valkey_server.url, "0"]
+    own = LocalServer("valkey").start() if check in {"dead_server", "slow_server"} else None
+    if own is not None:
+        assert own.proc is not None
+        args = [own.url, str(own.proc.pid)]
+        if check == "dead_server":
+            own.stop()
+    try:
+        proc = run_check(check, tmp_path, args)
+    finally:
+        if own is not None:
+            own.stop()
+    assert proc.returncode == 0, f"{check} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert f"ok {check}" in proc.stdout
+
+
+def run_check(check: str, tmp_path: Path, args: list[str]) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [vllm_python(), str(CHECKS), check, str(tmp_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
+    )
+
+
+def test_router_indexes_tier_events_as_shared() -> None:
+    """vLLM publishes a secondary tier's chunks as medium STORAGE with locality REMOTE: the router
+    credits them to the shared tier (every endpoint), not to the publishing pod's disk."""
+    model, tokens = "m", list(range(1000, 1064))
+    idx = InMemoryIndex(10_000)
+    applier = EventApplier(idx, model=model, max_blocks_per_pod=10_000)
+    pod, other = PodId("http://a:1"), PodId("http://b:1")
+    stored = BlockStored(
+        [1, 2, 3, 4], None, tokens, 16, medium="STORAGE", locality="REMOTE", ownership="KVMeshSecondaryTier"
+    )
+    applier.apply(pod, stored)
+    m = match_prefix(idx, BlockHasher(Namespace(model), 16), tokens)
+    assert m.shared is not None and m.shared.num_blocks == 4
+    assert m.hit_tokens(other) == 64
+    local = BlockStored([1, 2], None, tokens[:32], 16, medium="STORAGE")
+    idx2 = InMemoryIndex(10_000)
+    EventApplier(idx2, model=model, max_blocks_per_pod=10_000).apply(pod, local)
+    assert match_prefix(idx2, BlockHasher(Namespace(model), 16), tokens).shared is None

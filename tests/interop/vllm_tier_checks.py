@@ -1,0 +1,179 @@
+"""Checks of kvmesh as a vLLM secondary tier, run with vLLM's interpreter (``.venv-vllm``).
+
+``test_interop_vllm_tier.py`` runs each check in a subprocess: ``python vllm_tier_checks.py NAME
+WORKDIR [VALKEY_URL]``. The tier is built by vLLM's own factory from the config a user writes.
+
+Two tiers on two CPU-tier regions (two vLLM servers) share chunks through a real Valkey and
+through a shared directory; faults fail only the affected keys; the router indexes the events.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_offload_key
+from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+from kvmesh.integrations.vllm_tier import KVMeshSecondaryTier
+
+CHUNKS = 8
+ROW_BYTES = 4096
+
+
+def make_region(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=(CHUNKS, ROW_BYTES), dtype=np.uint8)
+
+
+def build_tier(region: np.ndarray, **extra: Any) -> KVMeshSecondaryTier:
+    config = {
+        "type": "KVMeshSecondaryTier",
+        "module_path": "kvmesh.integrations.vllm_tier",
+        "model": "m",
+        **extra,
+    }
+    spec = SimpleNamespace(vllm_config=None)
+    tier = SecondaryTierFactory.create_secondary_tier(config, memoryview(region), spec)  # type: ignore[arg-type]
+    assert isinstance(tier, KVMeshSecondaryTier)
+    return tier
+
+
+def keys(n: int, salt: int = 0) -> list[OffloadKey]:
+    return [make_offload_key(bytes([salt, i]) * 16, 0) for i in range(n)]
+
+
+_job_ids = iter(range(1, 1 << 30))
+
+
+def run_job(tier: KVMeshSecondaryTier, ks: list[OffloadKey], chunk_ids: list[int], load: bool) -> JobResult:
+    job = TransferJob(next(_job_ids), ks, np.array(chunk_ids), load, ReqContext("r"))
+    (tier.submit_load if load else tier.submit_store)(job)
+    tier.drain_jobs()
+    results = [r for r in tier.get_finished_jobs() if r.job_id == job.job_id]
+    assert len(results) == 1
+    return results[0]
+
+
+def lookup(tier: KVMeshSecondaryTier, key: OffloadKey, req: str = "q") -> LookupResult:
+    ctx = ReqContext(req)
+    result = tier.lookup(key, ctx)
+    deadline = time.monotonic() + 10
+    while result is LookupResult.RETRY and time.monotonic() < deadline:
+        time.sleep(0.01)
+        result = tier.lookup(key, ctx)
+    return result
+
+
+def check_share(backend: dict[str, Any]) -> None:
+    """Chunks one tier stores, another tier on another region finds and loads byte for byte."""
+    writer_region, reader_region = make_region(1), np.zeros((CHUNKS, ROW_BYTES), np.uint8)
+    writer, reader = build_tier(writer_region, **backend), build_tier(reader_region, **backend)
+    try:
+        ks = keys(3)
+        assert run_job(writer, ks, [5, 2, 7], load=False).success
+        assert all(lookup(reader, k) is LookupResult.HIT for k in ks)
+        assert lookup(reader, keys(1, salt=9)[0]) is LookupResult.MISS
+        assert run_job(reader, ks, [0, 1, 3], load=True).success
+        for src, dst in zip([5, 2, 7], [0, 1, 3], strict=True):
+            assert bytes(reader_region[dst]) == bytes(writer_region[src])
+        events = list(writer.take_events())
+        assert [list(e.keys) for e in events] == [ks] and not events[0].removed
+        assert writer.counters["stores_ok"] == 1 and reader.counters["loads_ok"] == 1
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+
+
+def check_corrupt_and_missing(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    region = make_region(2)
+    tier = build_tier(region, shared_dir=str(shared), hmac_key="fleet")
+    try:
+        ks = keys(4, salt=1)
+        assert run_job(tier, ks, [0, 1, 2, 3], load=False).success
+        files = sorted(p for p in shared.rglob("*") if p.is_file() and p.stat().st_size >= ROW_BYTES)
+        assert len(files) == 4
+        target = tier._key(ks[2]).chunk.hex()
+        (victim,) = [p for p in files if target in p.name]
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        out = np.zeros((CHUNKS, ROW_BYTES), np.uint8)
+        other = build_tier(out, shared_dir=str(shared), hmac_key="fleet")
+        try:
+            result = run_job(other, ks, [4, 5, 6, 7], load=True)
+            assert not result.success and list(result.successful_keys or []) == ks[:2]
+            assert bytes(out[4]) == bytes(region[0]) and bytes(out[5]) == bytes(region[1])
+            missing = run_job(other, keys(2, salt=7), [0, 1], load=True)
+            assert not missing.success and not missing.successful_keys
+            wrong_key = build_tier(
+                np.zeros((CHUNKS, ROW_BYTES), np.uint8), shared_dir=str(shared), hmac_key="x"
+            )
+            try:
+                assert not run_job(wrong_key, ks[:1], [0], load=True).success
+            finally:
+                wrong_key.shutdown()
+        finally:
+            other.shutdown()
+    finally:
+        tier.shutdown()
+
+
+def check_dead_server(url: str) -> None:
+    """``url`` names a Valkey that was stopped."""
+    tier = build_tier(make_region(3), remote_url=url, remote_timeout_s=0.2)
+    try:
+        ks = keys(2, salt=3)
+        assert not run_job(tier, ks, [0, 1], load=False).success
+        assert lookup(tier, ks[0]) is LookupResult.MISS
+        assert not run_job(tier, ks, [0, 1], load=True).success
+        assert not list(tier.take_events())
+    finally:
+        tier.shutdown()
+
+
+def check_slow_server(url: str, pid: int) -> None:
+    """``pid`` is the Valkey at ``url``; stopped (SIGSTOP), it holds connections and answers nothing."""
+    tier = build_tier(make_region(4), remote_url=url, job_timeout_s=0.5, remote_timeout_s=5.0)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert not run_job(tier, keys(2, salt=4), [0, 1], load=False).success
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        tier.shutdown()
+
+
+def check_backpressure(tmp_path: Path) -> None:
+    tier = build_tier(make_region(5), shared_dir=str(tmp_path / "s"), max_inflight_jobs=0)
+    try:
+        assert not run_job(tier, keys(1, salt=5), [0], load=False).success
+        assert tier.counters["stores_refused"] == 1
+    finally:
+        tier.shutdown()
+
+
+def main(name: str, workdir: str, valkey_url: str = "", pid: str = "0") -> None:
+    tmp = Path(workdir)
+    checks = {
+        "share_valkey": lambda: check_share({"remote_url": valkey_url}),
+        "share_shared_dir": lambda: check_share({"shared_dir": str(tmp / "shared")}),
+        "corrupt_and_missing": lambda: check_corrupt_and_missing(tmp),
+        "dead_server": lambda: check_dead_server(valkey_url),
+        "slow_server": lambda: check_slow_server(valkey_url, int(pid)),
+        "backpressure": lambda: check_backpressure(tmp),
+    }
+    checks[name]()
+    print(f"ok {name}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
