@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import pickle
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -100,7 +101,12 @@ class Replica:
         )
 
     def step(
-        self, scheduler_output: Any, compute: torch.Tensor | None = None, blocks: Sequence[int] = ()
+        self,
+        scheduler_output: Any,
+        compute: torch.Tensor | None = None,
+        blocks: Sequence[int] = (),
+        *,
+        await_saves: bool = True,
     ) -> KVMeshConnectorMetadata:
         meta = self.scheduler.build_connector_meta(scheduler_output)
         meta = pickle.loads(pickle.dumps(meta))  # crosses a process boundary in vLLM
@@ -114,6 +120,8 @@ class Replica:
             self.worker.save_kv_layer(f"model.layers.{i}.self_attn.attn", layer, None)
         self.worker.wait_for_save()
         self.worker.clear_connector_metadata()
+        if await_saves and self.worker._saver is not None:  # the saves run on the saver thread
+            assert self.worker._saver.wait_for((s.req_id for s in meta.saves), 10.0)
         return meta
 
     def close(self) -> None:
@@ -156,7 +164,9 @@ def test_prefix_computed_by_one_replica_loads_into_another(replicas: tuple[Repli
     a_blocks = [8, 3, 5, 0, 1, 2, 9]
     meta = a.step(new_req_output(req, a_blocks, 0, 100), kv, a_blocks)
     assert meta.loads == [] and [(s.skip_tokens, s.end) for s in meta.saves] == [(0, 96)]
-    assert a.scheduler.request_finished(req, a_blocks) == (False, None)
+    assert a.scheduler.request_finished(req, a_blocks) == (True, None)  # held until saved
+    assert a.worker.get_finished({"a-1"}) == ({"a-1"}, None)
+    assert a.worker.get_finished(set()) == (None, None)  # reported once
     assert a.worker.bridge.drain(10.0)
 
     follow = prompt[:96] + list(range(7000, 7014))
@@ -375,3 +385,62 @@ def test_nothing_is_announced_without_a_landed_shared_write(tmp_path: Path, case
         assert list(replica.scheduler.take_events()) == []
     finally:
         replica.close()
+
+
+def test_a_slow_save_does_not_hold_the_step_and_holds_the_blocks(replicas: tuple[Replica, Replica]) -> None:
+    a, _ = replicas
+    assert a.worker.transfer is not None
+    release = threading.Event()
+    started = threading.Event()
+    copy_out = a.worker.transfer.save
+
+    def slow_save(spec: Any, on_written: Any = None) -> bool:
+        started.set()
+        assert release.wait(10.0)
+        return copy_out(spec, on_written)
+
+    a.worker.transfer.save = slow_save  # type: ignore[method-assign]
+    req = make_request("slow", list(range(500, 600)))
+    a.scheduler.get_num_new_matched_tokens(req, 0)
+    a.scheduler.update_state_after_alloc(req, None, 0)
+    blocks = [1, 2, 3, 4, 5, 6, 7]
+    meta = a.step(new_req_output(req, blocks, 0, 100), request_kv(100, seed=3), blocks, await_saves=False)
+    assert [(s.skip_tokens, s.end) for s in meta.saves] == [(0, 96)]
+    assert started.wait(10.0)  # the step returned while the save is still running
+    assert a.scheduler.request_finished(req, blocks) == (True, None)
+    assert a.worker.get_finished({"slow"}) == (None, None)  # blocks stay held
+    release.set()
+    assert a.worker._saver is not None and a.worker._saver.wait_for({"slow"}, 10.0)
+    assert a.worker.get_finished(set()) == ({"slow"}, None)
+    assert a.worker.bridge.wait_for_saves(10.0)
+    probe = make_request("probe", list(range(500, 600)))
+    assert a.scheduler.get_num_new_matched_tokens(probe, 0) == (96, False)
+
+
+def test_a_failed_save_still_releases_the_blocks(replicas: tuple[Replica, Replica]) -> None:
+    a, _ = replicas
+    assert a.worker.transfer is not None
+
+    def broken_save(spec: Any, on_written: Any = None) -> bool:
+        raise RuntimeError("copy failed")
+
+    a.worker.transfer.save = broken_save  # type: ignore[method-assign]
+    req = make_request("broken", list(range(700, 800)))
+    a.scheduler.get_num_new_matched_tokens(req, 0)
+    a.scheduler.update_state_after_alloc(req, None, 0)
+    blocks = [1, 2, 3, 4, 5, 6, 7]
+    a.step(new_req_output(req, blocks, 0, 100), request_kv(100, seed=4), blocks)
+    assert a.scheduler.request_finished(req, blocks) == (True, None)
+    assert a.worker.get_finished({"broken"}) == ({"broken"}, None)
+    assert a.worker._saver is not None and a.worker._saver.num_failed == 1
+
+
+def test_a_request_without_saves_frees_its_blocks_at_once(replicas: tuple[Replica, Replica]) -> None:
+    a, _ = replicas
+    req = make_request("short", list(range(900, 910)))  # under one chunk: nothing to save
+    a.scheduler.get_num_new_matched_tokens(req, 0)
+    a.scheduler.update_state_after_alloc(req, None, 0)
+    meta = a.step(new_req_output(req, [1], 0, 10), request_kv(10, seed=5), [1])
+    assert meta.saves == []
+    assert a.scheduler.request_finished(req, [1]) == (False, None)
+    assert a.worker.get_finished({"short"}) == (None, None)

@@ -46,6 +46,7 @@ from kvmesh.core.pins import transfer_pin_ttl
 from kvmesh.core.torch_kv import store_dtype_name
 from kvmesh.core.types import ExternalBlockHash, Medium
 from kvmesh.errors import RequestError
+from kvmesh.integrations.background_saver import BackgroundSaver
 from kvmesh.integrations.connector_config import ConnectorSettings
 from kvmesh.integrations.paged_kv import PagedLayout, check_layers, detect_geometry
 from kvmesh.integrations.paged_transfer import PagedKVTransfer
@@ -54,6 +55,7 @@ from kvmesh.integrations.shared_events import PromptBlocks, SharedWriteAnnouncer
 from kvmesh.integrations.store_bridge import StoreBridge
 
 _log = logging.getLogger(__name__)
+_SAVER_CLOSE_TIMEOUT_S = 30.0
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -152,6 +154,7 @@ class KVMeshConnectorMetadata(_MetadataBase):
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    preempted: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,6 +461,8 @@ class KVMeshConnector(_ConnectorBase):
         self._to_external_hash = _external_block_hash()
         self._announcer: SharedWriteAnnouncer | None = None
         self._shared_events: list[Any] = []
+        self._saving_req_ids: set[str] = set()
+        self._saver: BackgroundSaver | None = None
 
     def _will_announce(self, vllm_config: Any, kv_cache_config: Any) -> bool:
         """Whether saves that land in a shared tier become SHARED KV events: the setting is on,
@@ -594,12 +599,17 @@ class KVMeshConnector(_ConnectorBase):
                 num_scheduled=num_scheduled.get(req_id, 0),
             )
         loads, saves = self.tracker.take_specs()
-        return KVMeshConnectorMetadata(loads=loads, saves=saves)
+        self._saving_req_ids.update(spec.req_id for spec in saves)
+        preempted = frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        return KVMeshConnectorMetadata(loads=loads, saves=saves, preempted=preempted)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; its saves were copied out during its steps, so blocks free now."""
+        """Forget the request; a request that had saves keeps its blocks until the workers report
+        its saves done in ``get_finished``."""
         self.tracker.finish(request.request_id)
-        return False, None
+        had_saves = request.request_id in self._saving_req_ids
+        self._saving_req_ids.discard(request.request_id)
+        return had_saves, None
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Keep the SHARED events the workers reported this step for :meth:`take_events`."""
@@ -672,10 +682,29 @@ class KVMeshConnector(_ConnectorBase):
         meta = self._connector_metadata
         return meta if isinstance(meta, KVMeshConnectorMetadata) else None
 
+    def _background_saver(self) -> BackgroundSaver:
+        if self._saver is None:
+            self._saver = BackgroundSaver(self._save_now)
+        return self._saver
+
+    def _save_now(self, spec: SaveSpec) -> None:
+        """On the saver thread: copy one save out of the cache and hand it to the store."""
+        if self.transfer is None:
+            return
+        on_written = None
+        if self._announcer is not None and spec.blocks is not None:
+            on_written = self._announcer.on_written(spec.blocks, spec.token_ids)
+        self.transfer.save(_with_namespace(spec, self._worker_namespace(spec.namespace)), on_written)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Load every planned span into the paged cache before the forward pass."""
         meta = self._metadata()
-        if meta is None or self.transfer is None:
+        if meta is None:
+            return
+        if meta.preempted and self._saver is not None:
+            # A preempted request's blocks are freed at once and may be written this step.
+            self._saver.wait_for(meta.preempted)
+        if self.transfer is None:
             return
         for spec in meta.loads:
             spec = _with_namespace(spec, self._worker_namespace(spec.namespace))
@@ -690,19 +719,20 @@ class KVMeshConnector(_ConnectorBase):
         """Saves read every layer at once in :meth:`wait_for_save`, after the forward pass."""
 
     def wait_for_save(self) -> None:
-        """Copy this step's finished chunks out of the cache and start storing them."""
+        """Queue this step's saves on the saver thread; the step does not wait for them."""
         meta = self._metadata()
-        if meta is None or self.transfer is None:
+        if meta is None or not meta.saves:
             return
+        saver = self._background_saver()
         for spec in meta.saves:
-            on_written = None
-            if self._announcer is not None and spec.blocks is not None:
-                on_written = self._announcer.on_written(spec.blocks, spec.token_ids)
-            self.transfer.save(_with_namespace(spec, self._worker_namespace(spec.namespace)), on_written)
+            saver.submit(spec)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Nothing is sent or received asynchronously."""
-        return None, None
+        """Finished requests whose saves have all run (their blocks may be freed); loads are
+        synchronous, so nothing is received."""
+        if self._saver is None:
+            return None, None
+        return self._saver.finished(finished_req_ids) or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks a load could not fill since the last call (vLLM recomputes them)."""
@@ -719,6 +749,10 @@ class KVMeshConnector(_ConnectorBase):
 
     def shutdown(self) -> None:
         """Release the store (the last connector of the process closes it)."""
+        saver = getattr(self, "_saver", None)
+        if saver is not None:
+            self._saver = None
+            saver.close(_SAVER_CLOSE_TIMEOUT_S)
         bridge = getattr(self, "bridge", None)
         if bridge is not None:
             self.bridge = None  # type: ignore[assignment]

@@ -1,0 +1,88 @@
+"""Saves run off vLLM's step: one thread copies each save's KV out of the paged cache and hands it
+to the store, and the worker learns which finished requests' blocks may be freed.
+
+vLLM frees a finished request's blocks only once the worker reports it in ``finished_sending``
+(when the scheduler's ``request_finished`` returned ``True``), so a copy still reading the blocks
+never races a new owner writing them. A save that fails still counts as done: its blocks are
+released and the chunks are a later miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable
+
+from kvmesh.integrations.request_tracker import SaveSpec
+
+__all__ = ["BackgroundSaver"]
+
+_log = logging.getLogger(__name__)
+
+
+class BackgroundSaver:
+    """Runs ``run(spec)`` for each submitted save on one thread, in submission order.
+
+    Args:
+        run: copies one save out of the cache and starts storing it; any exception is logged and
+            the save counts as done.
+    """
+
+    def __init__(self, run: Callable[[SaveSpec], object]) -> None:
+        self._run = run
+        self._queue: queue.SimpleQueue[SaveSpec | None] = queue.SimpleQueue()
+        self._changed = threading.Condition()
+        self._pending: dict[str, int] = {}
+        self._tracked: set[str] = set()
+        self._awaiting: set[str] = set()
+        self.num_failed = 0
+        self._thread = threading.Thread(target=self._loop, name="kvmesh-saver", daemon=True)
+        self._thread.start()
+
+    def submit(self, spec: SaveSpec) -> None:
+        """Queue ``spec``; its request's blocks stay held until the save has run."""
+        with self._changed:
+            self._pending[spec.req_id] = self._pending.get(spec.req_id, 0) + 1
+            self._tracked.add(spec.req_id)
+        self._queue.put(spec)
+
+    def wait_for(self, req_ids: Iterable[str], timeout_s: float | None = None) -> bool:
+        """Block until no save of ``req_ids`` is queued or running; ``False`` on timeout."""
+        wanted = set(req_ids)
+        with self._changed:
+            return self._changed.wait_for(lambda: not wanted & self._pending.keys(), timeout_s)
+
+    def finished(self, finished_req_ids: Iterable[str]) -> set[str]:
+        """Requests whose blocks may be freed now.
+
+        ``finished_req_ids`` are the requests vLLM finished since the last call; of those and the
+        ones still waiting, each that had saves is returned once, after its last save ran.
+        """
+        with self._changed:
+            self._awaiting |= self._tracked & set(finished_req_ids)
+            done = {req_id for req_id in self._awaiting if req_id not in self._pending}
+            self._awaiting -= done
+            self._tracked -= done
+            return done
+
+    def close(self, timeout_s: float) -> None:
+        """Run the queued saves, then stop the thread (waits at most ``timeout_s``)."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        while (spec := self._queue.get()) is not None:
+            try:
+                self._run(spec)
+            except Exception:
+                self.num_failed += 1
+                _log.exception("kvmesh save of request %s failed; its blocks are released", spec.req_id)
+            finally:
+                with self._changed:
+                    left = self._pending[spec.req_id] - 1
+                    if left:
+                        self._pending[spec.req_id] = left
+                    else:
+                        del self._pending[spec.req_id]
+                    self._changed.notify_all()
