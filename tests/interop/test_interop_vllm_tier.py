@@ -35,7 +35,16 @@ def valkey_server() -> Iterator[LocalServer]:
 
 @pytest.mark.parametrize(
     "check",
-    ["share_valkey", "share_shared_dir", "corrupt_and_missing", "dead_server", "slow_server", "backpressure"],
+    [
+        "manager_valkey",
+        "manager_shared_dir",
+        "share_valkey",
+        "share_shared_dir",
+        "corrupt_and_missing",
+        "dead_server",
+        "slow_server",
+        "backpressure",
+    ],
 )
 def test_tier_check_under_vllm(check: str, valkey_server: LocalServer, tmp_path: Path) -> None:
     args = [valkey_server.url, "0"]

@@ -13,14 +13,17 @@ import os
 import signal
 import sys
 import time
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_offload_key
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext, make_offload_key
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager, TieringOffloadingManager
 
 from kvmesh.integrations.vllm_tier import KVMeshSecondaryTier
 
@@ -161,11 +164,72 @@ def check_backpressure(tmp_path: Path) -> None:
         tier.shutdown()
 
 
+def build_manager(**extra: Any) -> TieringOffloadingManager:
+    """vLLM's tiering manager over its own CPU primary tier (a /dev/shm region), with this tier."""
+    region = SharedOffloadRegion(f"kvmesh-tier-{uuid.uuid4().hex}", CHUNKS, None, ROW_BYTES, ROW_BYTES)
+    primary = CPUPrimaryTierOffloadingManager(num_chunks=CHUNKS, mmap_region=region)
+    config = {
+        "type": "KVMeshSecondaryTier",
+        "module_path": "kvmesh.integrations.vllm_tier",
+        "model": "m",
+        **extra,
+    }
+    tier = SecondaryTierFactory.create_secondary_tier(config, primary.get_kv_memoryview(), SimpleNamespace())  # type: ignore[arg-type]
+    return TieringOffloadingManager(primary, [tier])
+
+
+def step_until(manager: TieringOffloadingManager, done: Any) -> None:
+    end = ScheduleEndContext((), ())
+    deadline = time.monotonic() + 10
+    while not done():
+        assert time.monotonic() < deadline, "vLLM's tiering manager did not settle"
+        manager.on_schedule_end(end)
+        time.sleep(0.01)
+
+
+def check_manager_round_trip(backend: dict[str, Any]) -> None:
+    """vLLM's TieringOffloadingManager cascades a stored chunk into the tier; a second manager on
+    another region finds it, promotes it into its CPU tier, and vLLM's load reads the same bytes."""
+    writer, reader = build_manager(**backend), build_manager(**backend)
+    ks = keys(3, salt=11)
+    try:
+        ctx = ReqContext("writer")
+        writer.on_new_request(ctx)
+        prepared = writer.prepare_store(ks, ctx)
+        assert prepared is not None and list(prepared.keys_to_store) == ks
+        src = [int(b) for b in np.asarray(prepared.store_spec.block_ids)]
+        rows_w = np.asarray(writer.primary_tier.get_kv_memoryview())
+        rows_w[src] = make_region(6)[: len(src)]  # vLLM's GPU->CPU copy
+        writer.complete_store(ks, ctx, True)
+        step_until(writer, lambda: not writer.has_pending_work())
+        events = list(writer.take_events())
+        assert any(
+            e.locality is not None and e.locality.value == "REMOTE" and list(e.keys) == ks for e in events
+        )
+        writer.on_request_finished(ctx)
+
+        rctx = ReqContext("reader")
+        reader.on_new_request(rctx)
+        step_until(reader, lambda: all(reader.lookup(k, rctx) is LookupResult.HIT for k in ks))
+        spec = reader.prepare_load(ks, rctx)
+        dst = [int(b) for b in np.asarray(spec.block_ids)]  # type: ignore[attr-defined]
+        rows_r = np.asarray(reader.primary_tier.get_kv_memoryview())
+        assert all(bytes(rows_r[d]) == bytes(rows_w[s]) for s, d in zip(src, dst, strict=True))
+        reader.complete_load(ks, rctx)
+        reader.on_request_finished(rctx)
+        del rows_w, rows_r
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+
+
 def main(name: str, workdir: str, valkey_url: str = "", pid: str = "0") -> None:
     tmp = Path(workdir)
     checks = {
         "share_valkey": lambda: check_share({"remote_url": valkey_url}),
         "share_shared_dir": lambda: check_share({"shared_dir": str(tmp / "shared")}),
+        "manager_valkey": lambda: check_manager_round_trip({"remote_url": valkey_url}),
+        "manager_shared_dir": lambda: check_manager_round_trip({"shared_dir": str(tmp / "mgr")}),
         "corrupt_and_missing": lambda: check_corrupt_and_missing(tmp),
         "dead_server": lambda: check_dead_server(valkey_url),
         "slow_server": lambda: check_slow_server(valkey_url, int(pid)),

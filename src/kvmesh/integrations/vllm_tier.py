@@ -344,3 +344,5 @@ class KVMeshSecondaryTier(SecondaryTierManager):
         self._run(self._store.aclose()).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+        # The primary tier releases its memoryview after this; no array may still export it.
+        self._rows = np.empty((0, 0), np.uint8)
