@@ -93,3 +93,22 @@ def test_router_indexes_tier_events_as_shared() -> None:
     idx2 = InMemoryIndex(10_000)
     EventApplier(idx2, model=model, max_blocks_per_pod=10_000).apply(pod, local)
     assert match_prefix(idx2, BlockHasher(Namespace(model), 16), tokens).shared is None
+
+
+def test_a_publisher_restart_drops_its_own_blocks_not_the_tiers() -> None:
+    """A vLLM restart (its event seq resets, and the intake drops the pod) forgets what was on that
+    pod, while the tier's chunks stay indexed: they are still in Valkey or the shared directory,
+    and a server with the fleet's PYTHONHASHSEED finds them under the same OffloadKeys."""
+    model, tokens = "m", list(range(2000, 2064))
+    idx = InMemoryIndex(10_000)
+    applier = EventApplier(idx, model=model, max_blocks_per_pod=10_000)
+    pod, other = PodId("http://a:1"), PodId("http://b:1")
+    applier.apply(pod, BlockStored([1, 2, 3, 4], None, tokens, 16))
+    applier.apply(pod, BlockStored([1, 2], None, tokens[:32], 16, medium="STORAGE", locality="REMOTE"))
+    hasher = BlockHasher(Namespace(model), 16)
+    before = match_prefix(idx, hasher, tokens)
+    assert before.hit_tokens(pod) == 64 and before.hit_tokens(other) == 32
+    applier.drop_pod(pod)
+    after = match_prefix(idx, hasher, tokens)
+    assert pod not in after.pods
+    assert after.shared is not None and after.hit_tokens(other) == 32
