@@ -89,6 +89,10 @@ def check_share(backend: dict[str, Any]) -> None:
         events = list(writer.take_events())
         assert [list(e.keys) for e in events] == [ks] and not events[0].removed
         assert writer.counters["stores_ok"] == 1 and reader.counters["loads_ok"] == 1
+        reported = writer.get_stats()
+        assert reported is not None and reported.reduce()["vllm:kv_offload_kvmesh_stores_ok"] == 1
+        assert writer.get_stats() is None  # increases are reported once
+        assert set(KVMeshSecondaryTier.build_metric_definitions({})) >= set(reported.reduce())
     finally:
         writer.shutdown()
         reader.shutdown()

@@ -32,11 +32,14 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
+    OffloadingCounterMetadata,
     OffloadingEvent,
+    OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -63,6 +66,23 @@ log = logging.getLogger(__name__)
 
 _HELD_KEYS = 1 << 20
 """Keys remembered as held (stored here or confirmed by a probe); older ones are probed again."""
+
+
+COUNTERS: dict[str, str] = {
+    "stores_ok": "Store jobs whose every chunk reached the kvmesh store.",
+    "stores_failed": "Store jobs with a chunk the store did not take (dead tier, full queue, timeout).",
+    "stores_refused": "Store jobs refused because max_inflight_jobs were running.",
+    "loads_ok": "Load jobs that filled every chunk.",
+    "loads_partial": "Load jobs that filled a leading part of their chunks.",
+    "loads_failed": "Load jobs that filled no chunk (missing, corrupt, dead tier, timeout).",
+    "bytes_written": "Encoded bytes of fully stored jobs.",
+    "bytes_read": "Chunk bytes copied into vLLM's CPU tier.",
+}
+"""The tier's counters, exported to vLLM's metrics as ``vllm:kv_offload_kvmesh_<name>``."""
+
+
+def _metric_name(counter: str) -> str:
+    return f"vllm:kv_offload_kvmesh_{counter}"
 
 
 def _model_name(spec: OffloadingSpec) -> str:
@@ -133,19 +153,8 @@ class KVMeshSecondaryTier(SecondaryTierManager):
         self._held: OrderedDict[OffloadKey, None] = OrderedDict()
         self._probes: dict[OffloadKey, Future[bool]] = {}
         self._misses: dict[str, set[OffloadKey]] = {}
-        self.counters: dict[str, int] = dict.fromkeys(
-            (
-                "stores_ok",
-                "stores_failed",
-                "stores_refused",
-                "loads_ok",
-                "loads_partial",
-                "loads_failed",
-                "bytes_written",
-                "bytes_read",
-            ),
-            0,
-        )
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._unreported: dict[str, int] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvmesh-vllm-tier", daemon=True)
         self._thread.start()
@@ -161,6 +170,11 @@ class KVMeshSecondaryTier(SecondaryTierManager):
 
     def _key(self, key: OffloadKey) -> StoreKey:
         return offload_store_key(self._group, key, self.block_size_bytes)
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += amount
+            self._unreported[name] = self._unreported.get(name, 0) + amount
 
     def _remember(self, keys: Iterable[OffloadKey]) -> None:
         with self._lock:
@@ -220,7 +234,7 @@ class KVMeshSecondaryTier(SecondaryTierManager):
         with self._lock:
             refused = len(self._running) >= self.max_inflight_jobs
         if refused:
-            self.counters["stores_refused"] += 1
+            self._count("stores_refused", 1)
             self._finish(JobResult(job_metadata.job_id, success=False))
             return
         self._start(job_metadata.job_id, self._store_job(job_metadata))
@@ -277,8 +291,8 @@ class KVMeshSecondaryTier(SecondaryTierManager):
                     OffloadingEvent(ok, Medium.STORAGE, removed=False, locality=self.locality)
                 )
         success = len(ok) == len(keys)
-        self.counters["stores_ok" if success else "stores_failed"] += 1
-        self.counters["bytes_written"] += num_bytes if success else 0
+        self._count("stores_ok" if success else "stores_failed")
+        self._count("bytes_written", num_bytes if success else 0)
         return JobResult(
             job.job_id, success, transfer_time=time.perf_counter() - start, transfer_bytes=num_bytes
         )
@@ -299,12 +313,12 @@ class KVMeshSecondaryTier(SecondaryTierManager):
             loaded.append(key)
             num_bytes += payload.size
         self._forget(keys[len(loaded) :])
-        self.counters["bytes_read"] += num_bytes
+        self._count("bytes_read", num_bytes)
         elapsed = time.perf_counter() - start
         if len(loaded) == len(keys):
-            self.counters["loads_ok"] += 1
+            self._count("loads_ok", 1)
             return JobResult(job.job_id, True, transfer_time=elapsed, transfer_bytes=num_bytes)
-        self.counters["loads_partial" if loaded else "loads_failed"] += 1
+        self._count("loads_partial" if loaded else "loads_failed")
         return JobResult(
             job.job_id, False, successful_keys=loaded, transfer_time=elapsed, transfer_bytes=num_bytes
         )
@@ -330,6 +344,21 @@ class KVMeshSecondaryTier(SecondaryTierManager):
             running = list(self._running.values())
         for future in running:
             future.exception()
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return {_metric_name(name): OffloadingCounterMetadata(doc) for name, doc in COUNTERS.items()}
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """Counter increases since the last call, for vLLM's Prometheus metrics."""
+        with self._lock:
+            unreported, self._unreported = self._unreported, {}
+        if not unreported:
+            return None
+        stats = OffloadingConnectorStats()
+        for name, amount in unreported.items():
+            stats.increase_counter(_metric_name(name), amount)
+        return stats
 
     def stats(self) -> dict[str, Any]:
         """Job counters and the store's per-tier statistics."""
