@@ -40,6 +40,7 @@ def valkey_server() -> Iterator[LocalServer]:
         "manager_shared_dir",
         "share_valkey",
         "share_shared_dir",
+        "store_yaml",
         "corrupt_and_missing",
         "dead_server",
         "slow_server",

@@ -227,6 +227,27 @@ def check_manager_round_trip(backend: dict[str, Any]) -> None:
         reader.shutdown()
 
 
+def check_store_yaml(tmp_path: Path, valkey_url: str) -> None:
+    """The tier reads the store YAML the connector uses (its RAM tier left to vLLM) and the fleet's
+    HMAC key from KVMESH_HMAC_KEY; a server with another key loads nothing."""
+    store = tmp_path / "store.yaml"
+    store.write_text(f"local_cpu: true\nmax_local_cpu_size: 20\nremote_url: {valkey_url}\n")
+    os.environ["KVMESH_HMAC_KEY"] = "fleet-key"
+    region = make_region(8)
+    writer, reader = build_tier(region, store=str(store)), build_tier(np.zeros_like(region), store=str(store))
+    os.environ["KVMESH_HMAC_KEY"] = "another-key"
+    stranger = build_tier(np.zeros_like(region), store=str(store))
+    try:
+        assert not writer._config.local_cpu and writer._config.remote_url == valkey_url
+        ks = keys(2, salt=8)
+        assert run_job(writer, ks, [0, 1], load=False).success
+        assert run_job(reader, ks, [2, 3], load=True).success
+        assert not run_job(stranger, ks, [2, 3], load=True).success
+    finally:
+        for tier in (writer, reader, stranger):
+            tier.shutdown()
+
+
 def main(name: str, workdir: str, valkey_url: str = "", pid: str = "0") -> None:
     tmp = Path(workdir)
     checks = {
@@ -234,6 +255,7 @@ def main(name: str, workdir: str, valkey_url: str = "", pid: str = "0") -> None:
         "share_shared_dir": lambda: check_share({"shared_dir": str(tmp / "shared")}),
         "manager_valkey": lambda: check_manager_round_trip({"remote_url": valkey_url}),
         "manager_shared_dir": lambda: check_manager_round_trip({"shared_dir": str(tmp / "mgr")}),
+        "store_yaml": lambda: check_store_yaml(tmp, valkey_url),
         "corrupt_and_missing": lambda: check_corrupt_and_missing(tmp),
         "dead_server": lambda: check_dead_server(valkey_url),
         "slow_server": lambda: check_slow_server(valkey_url, int(pid)),

@@ -31,6 +31,7 @@ from collections.abc import Collection, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import msgspec
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
@@ -53,7 +54,7 @@ from kvmesh.integrations.tier_keys import (
     offload_store_key,
     tier_group,
 )
-from kvmesh.store.config import StoreConfig
+from kvmesh.store.config import StoreConfig, load_config
 from kvmesh.store.factory import build_store
 from kvmesh.store.keys import StoreKey
 from kvmesh.store.tiered import TieredStore
@@ -85,6 +86,22 @@ def _metric_name(counter: str) -> str:
     return f"vllm:kv_offload_kvmesh_{counter}"
 
 
+def tier_store_config(store: str | None = None, **overrides: Any) -> StoreConfig:
+    """The store the tier writes to: ``store``'s YAML and ``KVMESH_*`` variables, the tier's own
+    fields over them, and no local tiers (vLLM's CPU tier is the RAM tier; a local disk would not
+    be shared).
+
+    Raises:
+        ValueError: neither a Redis/Valkey URL nor a shared directory is configured.
+    """
+    config = load_config(store)
+    fields = {name: value for name, value in overrides.items() if value is not None}
+    config = msgspec.structs.replace(config, local_cpu=False, local_disk=None, codec=RAW_ONLY, **fields)
+    if not config.remote_url and not config.shared_dir:
+        raise ValueError("KVMeshSecondaryTier needs remote_url or shared_dir (inline or in its store YAML)")
+    return config
+
+
 def _model_name(spec: OffloadingSpec) -> str:
     vllm_config = getattr(spec, "vllm_config", None)
     model_config = getattr(vllm_config, "model_config", None)
@@ -95,6 +112,9 @@ class KVMeshSecondaryTier(SecondaryTierManager):
     """A vLLM secondary tier over a :class:`~kvmesh.store.tiered.TieredStore`.
 
     Args (from the tier's entry in ``secondary_tiers``, besides vLLM's own):
+        store: a kvmesh store YAML (``KVMESH_*`` variables override it, ``KVMESH_HMAC_KEY`` too);
+            only its shared tiers are used: vLLM's CPU tier is the RAM tier. The fields below
+            override it.
         remote_url: Redis/Valkey URL of the shared tier.
         shared_dir: a directory every server mounts.
         hmac_key: fleet key for chunk HMACs (``"hex:..."`` or text).
@@ -115,20 +135,28 @@ class KVMeshSecondaryTier(SecondaryTierManager):
         tier_type: str,
         backpressure_detector: BackpressureDetector | None = None,
         *,
+        store: str | None = None,
         remote_url: str | None = None,
         shared_dir: str | None = None,
         hmac_key: str | None = None,
         model: str | None = None,
         job_timeout_s: float = 10.0,
         max_inflight_jobs: int = 64,
-        remote_timeout_s: float = 1.0,
-        max_shared_dir_size: float = 0.0,
-        write_queue_mb: float = 1024.0,
+        remote_timeout_s: float | None = None,
+        max_shared_dir_size: float | None = None,
+        write_queue_mb: float | None = None,
         locality: str | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        if not remote_url and not shared_dir:
-            raise ValueError("KVMeshSecondaryTier needs remote_url or shared_dir")
+        self._config = tier_store_config(
+            store,
+            remote_url=remote_url,
+            shared_dir=shared_dir,
+            hmac_key=hmac_key,
+            remote_timeout_s=remote_timeout_s,
+            max_shared_dir_size=max_shared_dir_size,
+            write_queue_mb=write_queue_mb,
+        )
         check_chunk_bytes(self.block_size_bytes)
         self.locality = Locality(locality) if locality else Locality.REMOTE
         self.job_timeout_s = job_timeout_s
@@ -136,16 +164,6 @@ class KVMeshSecondaryTier(SecondaryTierManager):
         # numpy indexes rows of the 2-D view (a memoryview cannot), without copying.
         self._rows = np.asarray(primary_kv_view).view(np.uint8).reshape(len(primary_kv_view), -1)
         self._group = tier_group(model or _model_name(offloading_spec))
-        self._config = StoreConfig(
-            local_cpu=False,
-            remote_url=remote_url,
-            shared_dir=shared_dir,
-            codec=RAW_ONLY,
-            hmac_key=hmac_key,
-            remote_timeout_s=remote_timeout_s,
-            max_shared_dir_size=max_shared_dir_size,
-            write_queue_mb=write_queue_mb,
-        )
         self._lock = threading.Lock()
         self._finished: list[JobResult] = []
         self._events: list[OffloadingEvent] = []
