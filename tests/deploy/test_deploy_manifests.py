@@ -182,11 +182,20 @@ def test_vllm_pods_publish_events_and_load_the_connector(
     assert "--enable-prefix-caching" in args and "--enable-prompt-tokens-details" in args
 
     transfer = json.loads(_flag(args, "--kv-transfer-config"))
-    assert transfer["kv_connector"] == "KVMeshConnector"
-    module = transfer["kv_connector_module_path"]
+    assert transfer["kv_role"] == "kv_both"
+    if transfer["kv_connector"] == "OffloadingConnector":
+        # vLLM's native offloading, with kvmesh as the secondary tier behind its CPU tier
+        extra = transfer["kv_connector_extra_config"]
+        assert extra["spec_name"] == "TieringOffloadingSpec" and extra["cpu_bytes_to_use"] > 0
+        (tier,) = extra["secondary_tiers"]
+        assert tier["type"] == "KVMeshSecondaryTier"
+        module, store_path = tier["module_path"], Path(tier["store"])
+    else:
+        assert transfer["kv_connector"] == "KVMeshConnector"
+        assert transfer["kv_load_failure_policy"] == "recompute"
+        module = transfer["kv_connector_module_path"]
+        store_path = Path(transfer["kv_connector_extra_config"]["store"])
     assert (REPO / "src" / Path(*module.split("."))).with_suffix(".py").is_file()
-    assert transfer["kv_role"] == "kv_both" and transfer["kv_load_failure_policy"] == "recompute"
-    store_path = Path(transfer["kv_connector_extra_config"]["store"])
 
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in engines["spec"]["template"]["spec"]["volumes"]}
