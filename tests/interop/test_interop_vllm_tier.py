@@ -5,6 +5,7 @@ Each check of ``vllm_tier_checks.py`` runs in vLLM's interpreter; the router sid
 
 from __future__ import annotations
 
+import base64
 import os
 import subprocess
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.core.events import BlockStored
+from kvmesh.core.events import BlockStored, decode_batch
 from kvmesh.core.hashing import BlockHasher, Namespace
 from kvmesh.core.types import PodId
 from kvmesh.fleet.vllm import vllm_python
@@ -74,6 +75,27 @@ def run_check(check: str, tmp_path: Path, args: list[str]) -> subprocess.Complet
         env=env,
         check=False,
     )
+
+
+def test_router_indexes_the_events_vllm_publishes_for_the_tier(tmp_path: Path) -> None:
+    """The tier's events, as vLLM encodes them for its publisher, land in the router's shared tier
+    for the blocks the pod announced: every other endpoint may load them."""
+    proc = run_check("events_wire", tmp_path, ["", "0"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("payload ")]
+    batch = decode_batch(base64.b64decode(line.split()[1]))
+    hashes = [h for ev in batch.events if isinstance(ev, BlockStored) for h in ev.block_hashes]
+    assert len(hashes) == 2
+    model, tokens = "m", list(range(3000, 3032))
+    idx = InMemoryIndex(10_000)
+    applier = EventApplier(idx, model=model, max_blocks_per_pod=10_000)
+    pod, other = PodId("http://a:1"), PodId("http://b:1")
+    applier.apply(pod, BlockStored(hashes, None, tokens, 16))  # the pod computed the blocks
+    hasher = BlockHasher(Namespace(model), 16)
+    assert match_prefix(idx, hasher, tokens).hit_tokens(other) == 0
+    applier.apply_batch(pod, batch)  # and its tier stored them in the shared store
+    m = match_prefix(idx, hasher, tokens)
+    assert m.shared is not None and m.shared.num_blocks == 2 and m.hit_tokens(other) == 32
 
 
 def test_router_indexes_tier_events_as_shared() -> None:

@@ -9,6 +9,7 @@ through a shared directory; faults fail only the affected keys; the router index
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import sys
@@ -18,8 +19,18 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import numpy as np
-from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext, make_offload_key
+from vllm.distributed.kv_events import KVEventBatch
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import OffloadingEventsTracker
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadingKVEventsConfig,
+    OffloadKey,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
@@ -248,6 +259,24 @@ def check_store_yaml(tmp_path: Path, valkey_url: str) -> None:
             tier.shutdown()
 
 
+def check_events_wire(tmp_path: Path) -> None:
+    """The tier's events as vLLM publishes them: through the offloading connector's event tracker
+    (its default, placeholder payloads) into vLLM's KVEventBatch, msgpack-encoded as its ZMQ
+    publisher sends them. Prints the payload (base64) for the router side of the test."""
+    tier = build_tier(make_region(9), shared_dir=str(tmp_path / "events"))
+    try:
+        block_hashes = [bytes([0xAB, i]) * 16 for i in range(2)]
+        ks = [make_offload_key(h, 0) for h in block_hashes]
+        assert run_job(tier, ks, [0, 1], load=False).success
+        tracker = OffloadingEventsTracker(OffloadingKVEventsConfig(True, False))
+        events = list(tracker.take_events(tier.take_events()))
+        assert events and all(e.medium == "STORAGE" and e.locality == "REMOTE" for e in events)
+        payload = msgspec.msgpack.Encoder().encode(KVEventBatch(ts=time.time(), events=events))
+        print("payload", base64.b64encode(payload).decode())
+    finally:
+        tier.shutdown()
+
+
 def main(name: str, workdir: str, valkey_url: str = "", pid: str = "0") -> None:
     tmp = Path(workdir)
     checks = {
@@ -256,6 +285,7 @@ def main(name: str, workdir: str, valkey_url: str = "", pid: str = "0") -> None:
         "manager_valkey": lambda: check_manager_round_trip({"remote_url": valkey_url}),
         "manager_shared_dir": lambda: check_manager_round_trip({"shared_dir": str(tmp / "mgr")}),
         "store_yaml": lambda: check_store_yaml(tmp, valkey_url),
+        "events_wire": lambda: check_events_wire(tmp),
         "corrupt_and_missing": lambda: check_corrupt_and_missing(tmp),
         "dead_server": lambda: check_dead_server(valkey_url),
         "slow_server": lambda: check_slow_server(valkey_url, int(pid)),
