@@ -347,8 +347,11 @@ class KVMeshSecondaryTier(SecondaryTierManager):
         return finished
 
     def has_pending_work(self) -> bool:
+        """Jobs to report, or probes a waiting request's next lookup needs answered."""
         with self._lock:
-            return bool(self._running) or bool(self._finished)
+            if self._running or self._finished:
+                return True
+        return any(not probe.done() for probe in self._probes.values())
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Chunks this tier stored since the last call, announced as remote storage."""
