@@ -16,20 +16,20 @@ def spec(req_id: str) -> SaveSpec:
 
 def test_a_request_is_released_once_after_its_last_save() -> None:
     gate = threading.Event()
-    ran: list[str] = []
+    ran: list[tuple[str, object]] = []
 
-    def run(s: SaveSpec) -> None:
+    def run(s: SaveSpec, after: object) -> None:
         assert gate.wait(10.0)
-        ran.append(s.req_id)
+        ran.append((s.req_id, after))
 
     saver = BackgroundSaver(run)
     try:
-        saver.submit(spec("r"))
+        saver.submit(spec("r"), "fence-1")
         saver.submit(spec("r"))  # returns although the first save is blocked
         assert saver.finished({"r", "unknown"}) == set()  # still saving; unknown ids are ignored
         gate.set()
         assert saver.wait_for({"r"}, 10.0)
-        assert ran == ["r", "r"]
+        assert ran == [("r", "fence-1"), ("r", None)]  # in order, each with what it was submitted with
         assert saver.finished(set()) == {"r"}  # remembered as finished by vLLM
         assert saver.finished({"r"}) == set()  # reported once
     finally:
@@ -38,7 +38,7 @@ def test_a_request_is_released_once_after_its_last_save() -> None:
 
 
 def test_a_failed_save_counts_as_done() -> None:
-    def run(s: SaveSpec) -> None:
+    def run(s: SaveSpec, after: object) -> None:
         raise RuntimeError("boom")
 
     saver = BackgroundSaver(run)

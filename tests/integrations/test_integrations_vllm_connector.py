@@ -394,10 +394,10 @@ def test_a_slow_save_does_not_hold_the_step_and_holds_the_blocks(replicas: tuple
     started = threading.Event()
     copy_out = a.worker.transfer.save
 
-    def slow_save(spec: Any, on_written: Any = None) -> bool:
+    def slow_save(spec: Any, on_written: Any = None, after: Any = None) -> bool:
         started.set()
         assert release.wait(10.0)
-        return copy_out(spec, on_written)
+        return copy_out(spec, on_written, after)
 
     a.worker.transfer.save = slow_save  # type: ignore[method-assign]
     req = make_request("slow", list(range(500, 600)))

@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from kvmesh.integrations.request_tracker import SaveSpec
 
@@ -22,16 +23,17 @@ _log = logging.getLogger(__name__)
 
 
 class BackgroundSaver:
-    """Runs ``run(spec)`` for each submitted save on one thread, in submission order.
+    """Runs ``run(spec, after)`` for each submitted save on one thread, in submission order.
 
     Args:
-        run: copies one save out of the cache and starts storing it; any exception is logged and
-            the save counts as done.
+        run: copies one save out of the cache and starts storing it; ``after`` is what the save was
+            submitted with (a device fence, or ``None``); any exception is logged and the save
+            counts as done.
     """
 
-    def __init__(self, run: Callable[[SaveSpec], object]) -> None:
+    def __init__(self, run: Callable[[SaveSpec, Any], object]) -> None:
         self._run = run
-        self._queue: queue.SimpleQueue[SaveSpec | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[SaveSpec, Any] | None] = queue.SimpleQueue()
         self._changed = threading.Condition()
         self._pending: dict[str, int] = {}
         self._tracked: set[str] = set()
@@ -40,12 +42,17 @@ class BackgroundSaver:
         self._thread = threading.Thread(target=self._loop, name="kvmesh-saver", daemon=True)
         self._thread.start()
 
-    def submit(self, spec: SaveSpec) -> None:
-        """Queue ``spec``; its request's blocks stay held until the save has run."""
+    def submit(self, spec: SaveSpec, after: Any = None) -> None:
+        """Queue ``spec``; its request's blocks stay held until the save has run.
+
+        Args:
+            spec: the save.
+            after: handed to ``run`` with it: the point in the engine's work the KV was complete.
+        """
         with self._changed:
             self._pending[spec.req_id] = self._pending.get(spec.req_id, 0) + 1
             self._tracked.add(spec.req_id)
-        self._queue.put(spec)
+        self._queue.put((spec, after))
 
     def wait_for(self, req_ids: Iterable[str], timeout_s: float | None = None) -> bool:
         """Block until no save of ``req_ids`` is queued or running; ``False`` on timeout."""
@@ -72,9 +79,10 @@ class BackgroundSaver:
         self._thread.join(timeout_s)
 
     def _loop(self) -> None:
-        while (spec := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            spec, after = item
             try:
-                self._run(spec)
+                self._run(spec, after)
             except Exception:
                 self.num_failed += 1
                 _log.exception("kvmesh save of request %s failed; its blocks are released", spec.req_id)

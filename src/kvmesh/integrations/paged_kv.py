@@ -25,7 +25,7 @@ uint16 bit patterns (numpy has no bfloat16)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -273,13 +273,28 @@ def gather(
         out = torch.empty(want, dtype=g.dtype, device=layers[0].device)
     elif tuple(out.shape) != want or out.dtype != g.dtype:
         raise ValueError(f"out must be {list(want)} {g.dtype}, got {list(out.shape)} {out.dtype}")
+    for n, picked in enumerate(picked_layers(layers, g, slots)):
+        out[n].copy_(picked)
+    return out
+
+
+def picked_layers(
+    layers: Sequence[torch.Tensor], geometry: PagedGeometry, slots: torch.Tensor
+) -> Iterator[torch.Tensor]:
+    """The KV at ``slots`` of each layer in turn, as (2, H, T, D) on the layers' device.
+
+    Lazy: each layer's gather is queued when its tensor is drawn, on the stream current then.
+
+    Raises:
+        ValueError: a slot outside the cache.
+    """
+    g = geometry
     blocks, offsets = _split(slots, g, layers[0].device)
     flat_slots = slots.to(device=layers[0].device, dtype=torch.int64)
-    for n, layer in enumerate(layers):
+    for layer in layers:
         flat = _flat_slots(layer, g)
         picked = flat.index_select(1, flat_slots) if flat is not None else _pick(layer, g, blocks, offsets)
-        out[n].copy_(picked.permute(0, 2, 1, 3))
-    return out
+        yield picked.permute(0, 2, 1, 3)
 
 
 def scatter(

@@ -6,7 +6,9 @@ timeout) and write straight into the request's blocks, chunk by chunk as the sto
 joined copy in host memory; chunks before the span vLLM asks for are not copied at all; on a CUDA
 cache through page-locked buffers, :class:`~kvmesh.core.torch_kv.PinnedStager`); blocks the store
 could not fill are returned so the engine recomputes them. Saves copy the KV out of the blocks
-before returning, so the engine may reuse the blocks at once, and hand the copy to the bridge.
+before returning, so the engine may reuse the blocks at once, and hand the copy to the bridge; on
+a CUDA cache through page-locked buffers on a stream of their own, ordered after the engine's work
+by a :meth:`PagedKVTransfer.fence` the engine thread took.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 import torch
 
 from kvmesh.core.torch_kv import PinnedStager, from_store_array, to_store_array
-from kvmesh.integrations.paged_kv import PagedGeometry, gather, scatter, token_slots
+from kvmesh.integrations.paged_kv import PagedGeometry, gather, picked_layers, scatter, token_slots
 from kvmesh.integrations.request_tracker import LoadSpec, SaveSpec
 from kvmesh.integrations.store_bridge import StoreBridge
 from kvmesh.store.cache_engine import PrefixWritten
@@ -69,6 +71,13 @@ class PagedKVTransfer:
         self.stats = TransferStats()
         device = self.layers[0].device if self.layers else torch.device("cpu")
         self._stager = PinnedStager(device) if device.type == "cuda" else None
+        self._save_stager = PinnedStager(device) if device.type == "cuda" else None
+
+    def fence(self) -> torch.cuda.Event | None:
+        """On a CUDA cache, an event marking the engine's work queued so far (pass it to
+        :meth:`save` as ``after`` when the save runs on another thread); ``None`` on the CPU, where
+        the step's writes are done when it returns."""
+        return None if self._save_stager is None else self._save_stager.fence()
 
     def load(self, spec: LoadSpec) -> set[int]:
         """Fill tokens ``spec.start..spec.end-1`` from the store.
@@ -126,12 +135,22 @@ class PagedKVTransfer:
         self.stats.num_loaded_tokens += end - spec.start
         return end
 
-    def save(self, spec: SaveSpec, on_written: PrefixWritten | None = None) -> bool:
+    def save(
+        self,
+        spec: SaveSpec,
+        on_written: PrefixWritten | None = None,
+        after: torch.cuda.Event | None = None,
+    ) -> bool:
         """Copy the KV of the chunks after ``spec.skip_tokens`` out of the cache and start storing it.
+
+        On a CUDA cache the gather and the device-to-host copy run on a stream of their own through
+        page-locked buffers, never on the engine's stream; the call returns once the KV is in host
+        memory (the store writes it on its own threads).
 
         Args:
             spec: what to save.
             on_written: told how far the prompt reaches in each tier the write landed in.
+            after: :meth:`fence` taken on the engine's thread when the KV was complete.
 
         Returns:
             ``False`` when the store refused the save (too many in flight, closed).
@@ -148,10 +167,11 @@ class PagedKVTransfer:
         slots = token_slots(spec.block_ids, g.block_size, start, spec.end)
         # The store encodes only chunks past skip_tokens; tokens before ``start`` are never read.
         kv = torch.empty((len(self.layers), 2, g.num_kv_heads, spec.end, g.head_dim), dtype=g.dtype)
-        if self.layers[0].device.type == "cpu":
+        if self._save_stager is None:
             gather(self.layers, g, slots, out=kv[:, :, :, start:, :])
         else:
-            kv[:, :, :, start:, :] = gather(self.layers, g, slots).cpu()
+            tail = kv[:, :, :, start:, :]
+            self._save_stager.copy_out(picked_layers(self.layers, g, slots), list(tail), after=after)
         kv_array = to_store_array(kv)
         ok = self.bridge.save(
             spec.token_ids[: spec.end],

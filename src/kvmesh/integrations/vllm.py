@@ -687,14 +687,15 @@ class KVMeshConnector(_ConnectorBase):
             self._saver = BackgroundSaver(self._save_now)
         return self._saver
 
-    def _save_now(self, spec: SaveSpec) -> None:
-        """On the saver thread: copy one save out of the cache and hand it to the store."""
+    def _save_now(self, spec: SaveSpec, after: Any) -> None:
+        """On the saver thread: copy one save out of the cache (after the step's ``after`` fence)
+        and hand it to the store."""
         if self.transfer is None:
             return
         on_written = None
         if self._announcer is not None and spec.blocks is not None:
             on_written = self._announcer.on_written(spec.blocks, spec.token_ids)
-        self.transfer.save(_with_namespace(spec, self._worker_namespace(spec.namespace)), on_written)
+        self.transfer.save(_with_namespace(spec, self._worker_namespace(spec.namespace)), on_written, after)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Load every planned span into the paged cache before the forward pass."""
@@ -724,8 +725,9 @@ class KVMeshConnector(_ConnectorBase):
         if meta is None or not meta.saves:
             return
         saver = self._background_saver()
+        fence = None if self.transfer is None else self.transfer.fence()
         for spec in meta.saves:
-            saver.submit(spec)
+            saver.submit(spec, fence)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Finished requests whose saves have all run (their blocks may be freed); loads are
