@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -11,9 +12,11 @@ from kvmesh.core.hashing import BlockHasher, Namespace
 from kvmesh.core.types import Medium, PodId
 from kvmesh.errors import ConfigError
 from kvmesh.router.index import InMemoryIndex, medium_set
+from kvmesh.router.plugins.base import Params, PluginContext, PluginKind
 from kvmesh.router.plugins.registry import (
     DEPRECATED_ALIASES,
-    FACTORIES,
+    REGISTRY,
+    Registration,
     attention_context_of,
     canonical_type,
 )
@@ -64,7 +67,7 @@ def test_presets_load_and_every_type_is_registered():
     for name in PRESET_NAMES:
         Scheduler.from_config(load_scheduler_config(name))
     for alias, target in DEPRECATED_ALIASES.items():
-        assert canonical_type(alias) == target and target in FACTORIES
+        assert canonical_type(alias) == target and target in REGISTRY
 
 
 def test_precise_prefers_the_holder_and_weights_tiers():
@@ -447,3 +450,49 @@ def test_router_cli_offers_every_preset():
     from kvmesh.router import cli
 
     assert cli._POLICIES == PRESET_NAMES
+
+
+class _ScoresNothing:
+    """Has a picker's method only."""
+
+    def pick(self, endpoints: list[EndpointState], scores: list[float]) -> list[PodId]:
+        return [e.pod for e in endpoints]
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        (
+            PluginKind.SCORER,
+            "is registered as a scorer, but _ScoresNothing lacks score, scores_in_unit_range",
+        ),
+        (PluginKind.FILTER, "is registered as a filter, but _ScoresNothing lacks filter"),
+    ],
+)
+def test_a_plugin_lacking_its_kinds_methods_is_rejected_at_load(monkeypatch, kind, message):
+    monkeypatch.setitem(
+        REGISTRY, "odd-plugin", Registration(kind, lambda name, params, ctx: _ScoresNothing())
+    )
+    config = {
+        "plugins": [{"type": "odd-plugin", "name": "odd"}],
+        "schedulingProfiles": [{"name": "default", "plugins": [{"pluginRef": "odd"}]}],
+    }
+    with pytest.raises(ConfigError, match="plugin 'odd' \\(type 'odd-plugin'\\) " + message):
+        Scheduler.from_config(config)
+
+
+def test_every_registered_plugin_conforms_to_its_kind():
+    for type_name, registration in REGISTRY.items():
+        plugin = registration.factory(type_name, Params(type_name, {}), PluginContext())
+        assert isinstance(plugin, registration.kind.protocol), type_name
+
+
+def test_no_attribute_probing_dispatch_in_the_router():
+    router = Path(__file__).resolve().parents[2] / "src" / "kvmesh" / "router"
+    probing = [
+        f"{path.relative_to(router)}:{n}"
+        for path in sorted(router.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "hasattr(" in line
+    ]
+    assert probing == []

@@ -40,9 +40,18 @@ from kvmesh.core.types import PodId
 from kvmesh.errors import ConfigError
 from kvmesh.router.index import BlockIndex
 from kvmesh.router.keymemo import BlockKeyMemo
-from kvmesh.router.plugins.base import Filter, Observer, Params, Picker, PluginContext, Scorer
+from kvmesh.router.plugins.base import (
+    Filter,
+    Observer,
+    Params,
+    Picker,
+    Plugin,
+    PluginContext,
+    PluginKind,
+    Scorer,
+)
 from kvmesh.router.plugins.pickers import MaxScorePicker
-from kvmesh.router.plugins.registry import PD_PROFILE_HANDLER, build_plugin, canonical_type
+from kvmesh.router.plugins.registry import PD_PROFILE_HANDLER, build_plugin, canonical_type, kind_of
 from kvmesh.router.plugins.scorers import TTFTEstimateScorer
 from kvmesh.router.prefix import match_prefix
 from kvmesh.router.types import Decision, EndpointState, PrefixMatch, RoutingRequest, ScoreTerms
@@ -62,7 +71,7 @@ class WeightedScorer:
     scorer: Scorer
     weight: float
     clamp: bool = True
-    """Clamp its scores to [0, 1]; off for scorers that declare ``scores_in_unit_range``."""
+    """Clamp its scores to [0, 1]; off for scorers whose ``scores_in_unit_range`` is true."""
 
 
 @dataclass(slots=True)
@@ -432,7 +441,7 @@ def _parse_config(
     unknown = sorted(set(config) - {"plugins", "schedulingProfiles"})
     if unknown:
         raise ConfigError(f"unknown scheduler config keys {unknown} (expected plugins, schedulingProfiles)")
-    plugins: dict[str, Any] = {}
+    plugins: dict[str, tuple[PluginKind, Plugin] | PDConfig] = {}
     pd: PDConfig | None = None
     entries = config.get("plugins") or []
     if not isinstance(entries, list):
@@ -454,7 +463,7 @@ def _parse_config(
             params.check_unknown()
             plugins[name] = pd
             continue
-        plugins[name] = build_plugin(type_name, name, entry.get("parameters"), ctx)
+        plugins[name] = (kind_of(type_name), build_plugin(type_name, name, entry.get("parameters"), ctx))
     raw_profiles = config.get("schedulingProfiles") or []
     if not isinstance(raw_profiles, list) or not raw_profiles:
         raise ConfigError("'schedulingProfiles' must be a non-empty list")
@@ -472,24 +481,32 @@ def _parse_config(
     return profiles, pd
 
 
-def _add_to_profile(profile: Profile, ref: Any, plugins: Mapping[str, Any]) -> None:
+def _add_to_profile(
+    profile: Profile, ref: Any, plugins: Mapping[str, tuple[PluginKind, Plugin] | PDConfig]
+) -> None:
     if not isinstance(ref, Mapping) or not isinstance(ref.get("pluginRef"), str):
         raise ConfigError(f"profile {profile.name!r}: each entry needs a string 'pluginRef', got {ref!r}")
     name = ref["pluginRef"]
-    plugin = plugins.get(name)
-    if plugin is None or isinstance(plugin, PDConfig):
+    entry = plugins.get(name)
+    if entry is None or isinstance(entry, PDConfig):
         raise ConfigError(f"profile {profile.name!r}: no filter, scorer or picker named {name!r}")
+    kind, plugin = entry
     weight = ref.get("weight", 1)
     if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
         raise ConfigError(f"profile {profile.name!r}: weight of {name!r} must be a non-negative number")
-    if hasattr(plugin, "filter"):
-        profile.filters.append(plugin)
-    elif hasattr(plugin, "score"):
-        trusted = bool(getattr(plugin, "scores_in_unit_range", False))
-        profile.scorers.append(WeightedScorer(name, plugin, float(weight), clamp=not trusted))
-    else:
-        if profile.picker is not None:
-            raise ConfigError(f"profile {profile.name!r}: more than one picker")
-        profile.picker = plugin
+    # build_plugin checked each plugin against its registered kind's protocol.
+    match kind:
+        case PluginKind.FILTER:
+            assert isinstance(plugin, Filter), f"filter {name!r} passed its load check"
+            profile.filters.append(plugin)
+        case PluginKind.SCORER:
+            assert isinstance(plugin, Scorer), f"scorer {name!r} passed its load check"
+            clamp = not plugin.scores_in_unit_range
+            profile.scorers.append(WeightedScorer(name, plugin, float(weight), clamp=clamp))
+        case PluginKind.PICKER:
+            assert isinstance(plugin, Picker), f"picker {name!r} passed its load check"
+            if profile.picker is not None:
+                raise ConfigError(f"profile {profile.name!r}: more than one picker")
+            profile.picker = plugin
     if isinstance(plugin, Observer) and all(o is not plugin for o in profile.observers):
         profile.observers.append(plugin)

@@ -4,6 +4,6 @@ See ``README.md`` in this directory for every plugin's intent and parameters, an
 :mod:`kvmesh.router.plugins.registry` for the type names.
 """
 
-from kvmesh.router.plugins.base import Filter, Observer, Params, Picker, PluginContext, Scorer
+from kvmesh.router.plugins.base import Filter, Observer, Params, Picker, PluginContext, PluginKind, Scorer
 
-__all__ = ["Filter", "Observer", "Params", "Picker", "PluginContext", "Scorer"]
+__all__ = ["Filter", "Observer", "Params", "Picker", "PluginContext", "PluginKind", "Scorer"]

@@ -20,6 +20,8 @@ Plugins never do I/O and never read the wall clock; randomness comes from the ``
 
 from __future__ import annotations
 
+import enum
+import inspect
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ from kvmesh.errors import ConfigError
 from kvmesh.router.types import EndpointState, RoutingRequest
 
 
+@runtime_checkable
 class Filter(Protocol):
     """Drops endpoints that must not serve a request."""
 
@@ -39,18 +42,25 @@ class Filter(Protocol):
         ...
 
 
+@runtime_checkable
 class Scorer(Protocol):
     """Rates endpoints for a request.
 
-    The scheduler clamps each score to [0, 1] before weighting, unless the scorer has a true
-    ``scores_in_unit_range`` attribute promising that every score it returns already lies there.
+    The scheduler clamps each score to [0, 1] before weighting, unless ``scores_in_unit_range``
+    promises that every score the scorer returns already lies there.
     """
+
+    @property
+    def scores_in_unit_range(self) -> bool:
+        """Whether every score :meth:`score` returns lies in [0, 1] already."""
+        ...
 
     def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
         """One score in [0, 1] per endpoint (higher is better), in input order."""
         ...
 
 
+@runtime_checkable
 class Picker(Protocol):
     """Turns weighted scores into a ranking."""
 
@@ -83,8 +93,38 @@ class PluginContext:
     hash_algo: HashAlgo = HashAlgo.SHA256
 
 
-Plugin = Filter | Scorer | Picker | Any
-PluginFactory = Callable[[str, "Params", PluginContext], Any]
+Plugin = Filter | Scorer | Picker
+PluginFactory = Callable[[str, "Params", PluginContext], Plugin]
+
+
+class PluginKind(enum.Enum):
+    """What a plugin type is declared to be in the registry, and the members that makes it need."""
+
+    FILTER = ("filter", Filter, ("filter",))
+    SCORER = ("scorer", Scorer, ("score", "scores_in_unit_range"))
+    PICKER = ("picker", Picker, ("pick",))
+
+    def __init__(self, label: str, protocol: type, members: tuple[str, ...]) -> None:
+        self.label = label
+        self.protocol = protocol
+        self.members = members
+
+
+_MISSING = object()
+
+
+def check_plugin(plugin: object, kind: PluginKind, name: str, type_name: str) -> None:
+    """Check that ``plugin`` has every member its declared ``kind`` needs.
+
+    Raises:
+        ConfigError: naming the plugin, its type and each missing member.
+    """
+    missing = [m for m in kind.members if inspect.getattr_static(plugin, m, _MISSING) is _MISSING]
+    if missing or not isinstance(plugin, kind.protocol):
+        raise ConfigError(
+            f"plugin {name!r} (type {type_name!r}) is registered as a {kind.label}, but "
+            f"{type(plugin).__name__} lacks {', '.join(missing) or 'a conforming member'}"
+        )
 
 
 class Params:

@@ -1,17 +1,19 @@
 """Type names of every scheduling plugin and the one table that registers them.
 
-A YAML config names plugins by these constants (``type:``). Deprecated names stay registered in
-:data:`DEPRECATED_ALIASES` and resolve to their replacement.
+A YAML config names plugins by these constants (``type:``). Each type is declared a filter, scorer or
+picker in :data:`REGISTRY`, and every plugin built is checked against that kind's protocol. Deprecated
+names stay registered in :data:`DEPRECATED_ALIASES` and resolve to their replacement.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.errors import ConfigError
 from kvmesh.router.plugins import filters, pickers, scorers
-from kvmesh.router.plugins.base import Params, PluginContext, PluginFactory
+from kvmesh.router.plugins.base import Params, Plugin, PluginContext, PluginFactory, PluginKind, check_plugin
 from kvmesh.router.prefill_ledger import PrefillLedger
 
 PREFILL_FILTER = "prefill-filter"
@@ -35,22 +37,31 @@ RANDOM_PICKER = "random-picker"
 PD_PROFILE_HANDLER = "pd-profile-handler"
 """Not a plugin object: configures the P/D decider (see :mod:`kvmesh.router.scheduler`)."""
 
-FACTORIES: dict[str, PluginFactory] = {
-    PREFILL_FILTER: filters.make_prefill_filter,
-    DECODE_FILTER: filters.make_decode_filter,
-    QUEUE_DEPTH_FILTER: filters.make_queue_depth_filter,
-    PRECISE_PREFIX_SCORER: scorers.make_precise_prefix_scorer,
-    APPROXIMATE_PREFIX_SCORER: scorers.make_approximate_prefix_scorer,
-    QUEUE_SCORER: scorers.make_queue_scorer,
-    KV_CACHE_UTILIZATION_SCORER: scorers.make_kv_cache_utilization_scorer,
-    ACTIVE_REQUEST_SCORER: scorers.make_active_request_scorer,
-    SESSION_AFFINITY_SCORER: scorers.make_session_affinity_scorer,
-    RANDOM_SCORER: scorers.make_random_scorer,
-    ROUND_ROBIN_SCORER: scorers.make_round_robin_scorer,
-    TTFT_ESTIMATE_SCORER: scorers.make_ttft_estimate_scorer,
-    MAX_SCORE_PICKER: pickers.make_max_score_picker,
-    WEIGHTED_RANDOM_PICKER: pickers.make_weighted_random_picker,
-    RANDOM_PICKER: pickers.make_random_picker,
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """A plugin type: what it is declared to be and the factory that builds it."""
+
+    kind: PluginKind
+    factory: PluginFactory
+
+
+REGISTRY: dict[str, Registration] = {
+    PREFILL_FILTER: Registration(PluginKind.FILTER, filters.make_prefill_filter),
+    DECODE_FILTER: Registration(PluginKind.FILTER, filters.make_decode_filter),
+    QUEUE_DEPTH_FILTER: Registration(PluginKind.FILTER, filters.make_queue_depth_filter),
+    PRECISE_PREFIX_SCORER: Registration(PluginKind.SCORER, scorers.make_precise_prefix_scorer),
+    APPROXIMATE_PREFIX_SCORER: Registration(PluginKind.SCORER, scorers.make_approximate_prefix_scorer),
+    QUEUE_SCORER: Registration(PluginKind.SCORER, scorers.make_queue_scorer),
+    KV_CACHE_UTILIZATION_SCORER: Registration(PluginKind.SCORER, scorers.make_kv_cache_utilization_scorer),
+    ACTIVE_REQUEST_SCORER: Registration(PluginKind.SCORER, scorers.make_active_request_scorer),
+    SESSION_AFFINITY_SCORER: Registration(PluginKind.SCORER, scorers.make_session_affinity_scorer),
+    RANDOM_SCORER: Registration(PluginKind.SCORER, scorers.make_random_scorer),
+    ROUND_ROBIN_SCORER: Registration(PluginKind.SCORER, scorers.make_round_robin_scorer),
+    TTFT_ESTIMATE_SCORER: Registration(PluginKind.SCORER, scorers.make_ttft_estimate_scorer),
+    MAX_SCORE_PICKER: Registration(PluginKind.PICKER, pickers.make_max_score_picker),
+    WEIGHTED_RANDOM_PICKER: Registration(PluginKind.PICKER, pickers.make_weighted_random_picker),
+    RANDOM_PICKER: Registration(PluginKind.PICKER, pickers.make_random_picker),
 }
 
 DEPRECATED_ALIASES: dict[str, str] = {
@@ -68,27 +79,44 @@ def canonical_type(type_name: str) -> str:
         ConfigError: the name is not registered.
     """
     resolved = DEPRECATED_ALIASES.get(type_name, type_name)
-    if resolved not in FACTORIES and resolved != PD_PROFILE_HANDLER:
-        known = ", ".join(sorted([*FACTORIES, PD_PROFILE_HANDLER]))
+    if resolved not in REGISTRY and resolved != PD_PROFILE_HANDLER:
+        known = ", ".join(sorted([*REGISTRY, PD_PROFILE_HANDLER]))
         raise ConfigError(f"unknown plugin type {type_name!r}; known types: {known}")
     return resolved
 
 
-def build_plugin(type_name: str, name: str, raw_params: Any, ctx: PluginContext) -> Any:
-    """Instantiate one plugin from its YAML entry.
+def kind_of(type_name: str) -> PluginKind:
+    """What a registered plugin type is declared to be.
 
     Raises:
-        ConfigError: unknown type, or parameters the factory rejects.
+        ConfigError: the name is not a registered plugin type.
     """
-    factory = FACTORIES[canonical_type(type_name)]
+    resolved = canonical_type(type_name)
+    if resolved == PD_PROFILE_HANDLER:
+        raise ConfigError(
+            f"{PD_PROFILE_HANDLER!r} configures the P/D decider; it is not a filter, scorer or picker"
+        )
+    return REGISTRY[resolved].kind
+
+
+def build_plugin(type_name: str, name: str, raw_params: Any, ctx: PluginContext) -> Plugin:
+    """Instantiate one plugin from its YAML entry and check it against its declared kind.
+
+    Raises:
+        ConfigError: unknown type, parameters the factory rejects, or a plugin that lacks a member
+            of its kind's protocol.
+    """
+    type_name = canonical_type(type_name)
+    registration = REGISTRY[type_name]
     params = Params(name, raw_params)
     try:
-        plugin = factory(name, params, ctx)
+        plugin = registration.factory(name, params, ctx)
     except ConfigError:
         raise
     except ValueError as exc:
         raise ConfigError(f"plugin {name!r}: {exc}") from exc
     params.check_unknown()
+    check_plugin(plugin, registration.kind, name, type_name)
     return plugin
 
 
