@@ -118,20 +118,30 @@ def test_router_indexes_tier_events_as_shared() -> None:
     assert match_prefix(idx2, BlockHasher(Namespace(model), 16), tokens).shared is None
 
 
-def test_a_publisher_restart_drops_its_own_blocks_not_the_tiers() -> None:
-    """A vLLM restart (its event seq resets, and the intake drops the pod) forgets what was on that
-    pod, while the tier's chunks stay indexed: they are still in Valkey or the shared directory,
-    and a server with the fleet's PYTHONHASHSEED finds them under the same OffloadKeys."""
+def test_a_publisher_restart_drops_the_tier_blocks_only_it_announced() -> None:
+    """A vLLM restart (its event seq resets) forgets what was on that pod and the tier's chunks no
+    other publisher announced: the router cannot tell which of them the tier still holds (Valkey
+    evicts without events). Chunks another live publisher announced stay; a prefix-cache reset
+    (AllBlocksCleared) leaves the tier's chunks alone."""
     model, tokens = "m", list(range(2000, 2064))
     idx = InMemoryIndex(10_000)
     applier = EventApplier(idx, model=model, max_blocks_per_pod=10_000)
-    pod, other = PodId("http://a:1"), PodId("http://b:1")
-    applier.apply(pod, BlockStored([1, 2, 3, 4], None, tokens, 16))
-    applier.apply(pod, BlockStored([1, 2], None, tokens[:32], 16, medium="STORAGE", locality="REMOTE"))
+    pod, peer, other = PodId("http://a:1"), PodId("http://b:1"), PodId("http://c:1")
     hasher = BlockHasher(Namespace(model), 16)
+    applier.apply(pod, BlockStored([1, 2, 3, 4], None, tokens, 16))
+    applier.apply(pod, BlockStored([1, 2, 3], None, tokens[:48], 16, medium="STORAGE", locality="REMOTE"))
+    applier.apply(peer, BlockStored([1], None, tokens[:16], 16, medium="STORAGE", locality="REMOTE"))
     before = match_prefix(idx, hasher, tokens)
-    assert before.hit_tokens(pod) == 64 and before.hit_tokens(other) == 32
-    applier.drop_pod(pod)
+    assert before.hit_tokens(pod) == 64 and before.hit_tokens(other) == 48
+
+    applier.drop_pod(pod)  # the pod's prefix cache was reset: the tier still vouches for its chunks
+    cleared = match_prefix(idx, hasher, tokens)
+    assert pod not in cleared.pods and cleared.hit_tokens(other) == 48
+
+    applier.publisher_restarted(pod)
     after = match_prefix(idx, hasher, tokens)
     assert pod not in after.pods
-    assert after.shared is not None and after.hit_tokens(other) == 32
+    assert after.shared is not None and after.hit_tokens(other) == 16  # only the peer's chunk is left
+
+    applier.forget_pod(peer)  # the peer left the fleet: nobody vouches for the tier's chunks now
+    assert match_prefix(idx, hasher, tokens).hit_tokens(other) == 0

@@ -87,6 +87,37 @@ async def test_publisher_restart_drops_the_pods_blocks():
         pub.close()
 
 
+async def test_publisher_restart_drops_the_shared_tier_blocks_it_alone_announced():
+    """A vLLM server's secondary tier announces its chunks as REMOTE storage: the router credits
+    them to every pod, and the server's restart (seq reset) takes them back out."""
+    pub = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    endpoint, replay = pub.endpoint, pub.replay_endpoint
+    idx = InMemoryIndex()
+    intake = EventIntake(EventApplier(idx, model="m"))
+    intake.add_pod(POD, endpoint, replay)
+    intake.start()
+    other = PodId("http://127.0.0.1:2")
+
+    def shared_tokens() -> int:
+        return match_prefix(idx, HASHER, TOKENS).hit_tokens(other)
+
+    try:
+        await asyncio.sleep(0.2)
+        pub.publish([BlockStored([10, 11], None, TOKENS[:32], 16)])
+        pub.publish([BlockStored([10, 11], None, TOKENS[:32], 16, medium="STORAGE", locality="REMOTE")])
+        await wait_for(lambda: shared_tokens() == 32)
+        pub.close()
+        pub = ZmqEventPublisher(endpoint, replay)
+        await asyncio.sleep(0.3)
+        pub.publish([BlockStored([20], None, TOKENS[:16], 16)])
+        await wait_for(lambda: intake.subscriber.stats.num_resets == 1)
+        await wait_for(lambda: held(idx) == 16)
+        assert shared_tokens() == 0
+    finally:
+        await intake.aclose()
+        pub.close()
+
+
 async def test_remove_pod_forgets_blocks():
     pub = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
     idx = InMemoryIndex()

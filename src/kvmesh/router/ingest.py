@@ -43,6 +43,7 @@ from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.kv_groups import GroupVerdict, KVGroupSelector
 from kvmesh.router.pod_blocks import PodBlocks, Touched
 from kvmesh.router.shared_refs import SharedKeyRefs
+from kvmesh.router.shared_vouchers import SharedVouchers
 from kvmesh.router.types import PrefixMatch
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class EventApplier:
         """(pod, engine block size, why) already logged: one line per pod and cause."""
         self._namespaces = ChainNamespaces(model, revision, block_size, self.algo)
         self._shared_refs = SharedKeyRefs()
+        self._vouchers = SharedVouchers()
 
     def namespace(self, lora: str = "", tenant: str = "") -> Namespace:
         """The namespace requests with this LoRA and tenant hash into."""
@@ -189,21 +191,54 @@ class EventApplier:
         self._groups.forget(pod)
         return self._drop_blocks(pod)
 
-    def forget_pod(self, pod: PodId) -> int:
-        """:meth:`drop_pod`, and forget the pod's block size too (it left the fleet).
+    def publisher_restarted(self, pod: PodId) -> int:
+        """``pod``'s event publisher restarted (its sequence reset): :meth:`drop_pod`, and drop the
+        shared tier's blocks that only ``pod`` announced (see
+        :mod:`~kvmesh.router.shared_vouchers`).
 
         Returns:
             Index entries dropped.
         """
-        dropped = self.drop_pod(pod)
+        return self.drop_pod(pod) + self._withdraw_shared(pod)
+
+    def forget_pod(self, pod: PodId) -> int:
+        """:meth:`drop_pod`, and forget the pod's block size too (it left the fleet); the shared
+        tier's blocks only ``pod`` announced go with it.
+
+        Returns:
+            Index entries dropped.
+        """
+        dropped = self.drop_pod(pod) + self._withdraw_shared(pod)
         self._pods.pop(pod, None)
         self._noted = {note for note in self._noted if note[0] != pod}
         self._groups.forget(pod, notes=True)
         return dropped
 
+    def _withdraw_shared(self, pod: PodId) -> int:
+        shared = self._pods.get(SHARED_TIER_HOLDER)
+        if shared is None:
+            self._vouchers.clear()
+            return 0
+        orphaned = self._vouchers.withdraw(pod, lambda h: shared.entry(h) is not None)
+        if not orphaned:
+            return 0
+        touched = shared.remove_media(orphaned, _SHARED_BIT)
+        self._index_remove(touched.keys, SHARED_TIER_HOLDER, MediumSet(_SHARED_BIT))
+        self.stats.num_blocks_removed += touched.num_blocks
+        return len(touched.keys)
+
+    def _vouch_shared(self, pod: PodId, hashes: list[ExternalBlockHash]) -> None:
+        vouchers = self._vouchers
+        vouchers.vouch(pod, hashes)
+        shared = self._pods.get(SHARED_TIER_HOLDER)
+        held = 0 if shared is None else len(shared)
+        if len(vouchers) > 2 * held + 4096:
+            vouchers.prune(lambda h: shared is not None and shared.entry(h) is not None)
+
     def _drop_blocks(self, pod: PodId) -> int:
         if pod == SHARED_TIER_HOLDER:
             self._shared_refs.clear()
+            self._vouchers.clear()
         blocks = self._pods.get(pod)
         # A write-behind index drops them later: count the router keys this pod was given.
         num_keys = 0 if blocks is None else blocks.num_router_keys()
@@ -250,6 +285,7 @@ class EventApplier:
             self._drop_blocks(origin)
         bits = MEDIUM_BITS[event_medium(ev)]
         if bits == _SHARED_BIT:
+            self._vouch_shared(origin, hashes)
             if not ev.token_ids:
                 self._add_shared(origin, hashes)
                 return

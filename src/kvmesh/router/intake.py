@@ -97,7 +97,7 @@ class EventIntake:
     def _on_reset(self, pod: PodId) -> None:
         logger.info("event publisher of %s restarted; dropping its blocks", pod)
         try:
-            self.applier.drop_pod(pod)
+            self.applier.publisher_restarted(pod)
         except TierUnavailableError as exc:
             self.num_index_failures += 1
             logger.warning("index unavailable, blocks of restarted %s not dropped: %s", pod, exc)
