@@ -13,6 +13,7 @@ carry: fewer groups (so each pod's KV is cut by the same factor through ``--kv-c
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,19 +62,27 @@ class ScaledRun:
     """Per router policy, a scheduler YAML with the weights the published benchmark used."""
 
 
-def llmd_73() -> ScaledRun:
-    """llm-d's 73-capacity benchmark, unscaled."""
-    w = SharedPrefixWorkload(
+def llmd_73_workload(
+    *, output_len: int = 1000, vocab_size: int = SMOLLM2_VOCAB, name: str = "llmd-73"
+) -> SharedPrefixWorkload:
+    """llm-d 73-capacity's requests: 150 groups × 5 prompts, 6000 + 1200 prompt tokens, the published
+    Poisson stages; the load runner and the simulator both build it here."""
+    return SharedPrefixWorkload(
         num_groups=150,
         num_prompts_per_group=5,
         system_prompt_len=6000,
         question_len=1200,
-        output_len=1000,
-        stages=list(LLMD_STAGES),
+        output_len=output_len,
+        stages=[dataclasses.replace(stage) for stage in LLMD_STAGES],
         arrival="poisson",
-        vocab_size=SMOLLM2_VOCAB,
-        name="llmd-73",
+        vocab_size=vocab_size,
+        name=name,
     )
+
+
+def llmd_73() -> ScaledRun:
+    """llm-d's 73-capacity benchmark, unscaled."""
+    w = llmd_73_workload()
     return ScaledRun(
         w, 8, "qwen3-32b-h100-tp2", None, "llm-d 73-capacity as published", dict(LLMD_SCHEDULERS)
     )

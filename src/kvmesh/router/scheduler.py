@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import operator
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 
 from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, BlockHasher, HashAlgo, Namespace
-from kvmesh.core.types import PodId
+from kvmesh.core.types import BlockKey, PodId
 from kvmesh.errors import ConfigError
 from kvmesh.router.index import BlockIndex
 from kvmesh.router.keymemo import BlockKeyMemo
@@ -53,7 +53,7 @@ from kvmesh.router.plugins.base import (
 from kvmesh.router.plugins.pickers import MaxScorePicker
 from kvmesh.router.plugins.registry import PD_PROFILE_HANDLER, build_plugin, canonical_type, kind_of
 from kvmesh.router.plugins.scorers import TTFTEstimateScorer
-from kvmesh.router.prefix import match_prefix
+from kvmesh.router.prefix import match_prefix, match_prefix_keys
 from kvmesh.router.types import Decision, EndpointState, PrefixMatch, RoutingRequest, ScoreTerms
 
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -214,20 +214,30 @@ class Scheduler:
             hasher = self._hashers[namespace] = BlockHasher(namespace, self.block_size, self.hash_algo)
         return hasher
 
-    def match(self, request: RoutingRequest) -> PrefixMatch:
+    def match(self, request: RoutingRequest, block_keys: Sequence[BlockKey] | None = None) -> PrefixMatch:
         """Match ``request``'s prefix against the index (empty without an index).
 
         Every index match goes through here: :meth:`pick` calls it when ``request.prefix`` is
         ``None``; with an index that does network I/O the gateway calls it on a worker thread
-        first and passes the result in ``request.prefix``.
+        first and passes the result in ``request.prefix``; the simulator calls it with the keys
+        it keeps per prompt.
+
+        Args:
+            request: the request.
+            block_keys: the prompt's block keys in ``request.namespace``, where the caller holds
+                them already (``None``: hashed here from ``request.tokens``).
 
         Raises:
             TierUnavailableError: a remote index cannot be reached.
         """
-        hasher = self.hasher(request.namespace)
         if self.index is None:
-            return PrefixMatch(hasher.num_full_blocks(request.num_tokens), self.block_size)
-        match = match_prefix(self.index, hasher, request.tokens, self.memo)
+            return PrefixMatch(
+                self.hasher(request.namespace).num_full_blocks(request.num_tokens), self.block_size
+            )
+        if block_keys is None:
+            match = match_prefix(self.index, self.hasher(request.namespace), request.tokens, self.memo)
+        else:
+            match = match_prefix_keys(self.index, block_keys, len(block_keys), self.block_size)
         return match if self.align_match is None else self.align_match(match)
 
     def rank(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[PodId] | None:

@@ -19,6 +19,7 @@ from kvmesh.errors import ConfigError
 from kvmesh.router.scheduler import load_scheduler_config
 from kvmesh.sim.fleet import FleetConfig
 from kvmesh.workload import SharedPrefixWorkload, Stage
+from kvmesh.workload.synthetic import DEFAULT_VOCAB_SIZE
 
 if TYPE_CHECKING:
     from kvmesh.bench.metrics import Summary
@@ -121,37 +122,40 @@ def _calibrated(name: str) -> CostPreset:
     return dataclasses.replace(base, name=f"{name}-mfu{round(PREFILL_MFU * 100)}", mfu=PREFILL_MFU)
 
 
+def _published_fleet(
+    num_replicas: int,
+    model_preset: str | CostPreset,
+    kv_capacity_tokens: int,
+    *,
+    drain_stages: bool = False,
+    gateways: int = 1,
+) -> FleetConfig:
+    """An llm-d benchmark fleet: 64-token blocks, metrics every 50 ms, the request path's latency and
+    the client's in-flight bound."""
+    return FleetConfig(
+        num_replicas=num_replicas,
+        model_preset=model_preset,
+        block_size=64,
+        kv_capacity_tokens=kv_capacity_tokens,
+        metrics_interval_s=0.05,
+        path_latency_s=PATH_LATENCY_S,
+        max_in_flight=CLIENT_IN_FLIGHT,
+        drain_stages=drain_stages,
+        gateways=gateways,
+    )
+
+
 OUTPUT_LEN_73 = 245
 """Mean output tokens per request implied by the published table: 8730 output tok/s ÷ 35.56 req/s."""
-
-_STAGES_73 = [
-    (15, 50), (3, 20), (10, 20), (15, 20), (20, 38), (22, 34), (25, 30), (30, 25), (35, 21),
-    (40, 38), (43, 36), (46, 33), (49, 30), (52, 29), (55, 27), (57, 26), (60, 25),
-]  # fmt: skip
 
 LLMD_73 = ScenarioPreset(
     name="llmd-73-capacity",
     description="Qwen3-32B, 8 pods TP2 on H100, 307,328 KV tokens per pod; shared_prefix 150 groups × 5 "
     "prompts, 6000 + 1200 tokens in, 1000 out configured (245 simulated); resident set ≈ 73% of fleet KV",
-    fleet=FleetConfig(
-        num_replicas=8,
-        model_preset=_calibrated("qwen3-32b-h100-tp2"),
-        block_size=64,
-        kv_capacity_tokens=307_328,
-        metrics_interval_s=0.05,
-        path_latency_s=PATH_LATENCY_S,
-        max_in_flight=CLIENT_IN_FLIGHT,
-    ),
-    workload=SharedPrefixWorkload(
-        num_groups=150,
-        num_prompts_per_group=5,
-        system_prompt_len=6000,
-        question_len=1200,
-        output_len=OUTPUT_LEN_73,
-        stages=[Stage(float(r), float(d)) for r, d in _STAGES_73],
-        arrival="poisson",
-        seed=0,
-        name="llmd-73-capacity",
+    fleet=_published_fleet(8, _calibrated("qwen3-32b-h100-tp2"), 307_328),
+    # The published stages, warm-up first; a pooled headline counts the warm-up too, as before.
+    workload=bench_presets.llmd_73_workload(
+        output_len=OUTPUT_LEN_73, vocab_size=DEFAULT_VOCAB_SIZE, name="llmd-73-capacity"
     ),
     schedulers=LLMD_SCHEDULERS,
     published={
@@ -199,17 +203,8 @@ LLMD_37 = ScenarioPreset(
     description="Llama-3.1-70B, 4 pods TP4 on H100, 461,376 KV tokens per pod; shared_prefix 83 groups × 3 "
     "prompts, 8000 + 1000 tokens in, 1000 out, constant-rate stages 3–20 QPS; the 83 prefixes fill 37% of "
     "the fleet's 224 prefix slots",
-    fleet=FleetConfig(
-        num_replicas=4,
-        model_preset="llama-3.1-70b-h100-tp4",
-        block_size=64,
-        kv_capacity_tokens=461_376,  # measured: the benchmark's "KV_cap (effective, min TP rank)"
-        metrics_interval_s=0.05,
-        path_latency_s=PATH_LATENCY_S,
-        max_in_flight=CLIENT_IN_FLIGHT,
-        drain_stages=True,
-        gateways=GATEWAYS_37,
-    ),
+    # 461,376 KV tokens: the benchmark's measured "KV_cap (effective, min TP rank)"
+    fleet=_published_fleet(4, "llama-3.1-70b-h100-tp4", 461_376, drain_stages=True, gateways=GATEWAYS_37),
     workload=SharedPrefixWorkload(
         num_groups=83,
         num_prompts_per_group=3,

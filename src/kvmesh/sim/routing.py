@@ -1,8 +1,9 @@
 """The router inside the simulator: the real scheduler, index and event applier, in virtual time.
 
 Replicas' device-tier KV events go through the router's own :class:`EventApplier` (re-hashing the
-events' token ids, exactly as for live engines) into its :class:`InMemoryIndex`; each arrival is
-routed by :meth:`Scheduler.pick`. What differs from a live router is only where the endpoint gauges
+events' token ids, exactly as for live engines) into its :class:`InMemoryIndex`; each arrival's
+prefix is matched by :meth:`Scheduler.match` (with the block keys the simulator keeps per prompt)
+and routed by :meth:`Scheduler.pick`. What differs from a live router is only where the endpoint gauges
 come from: the simulator snapshots the replicas' queue and KV usage every ``metrics_interval_s`` of
 virtual time, the way the gateway scrapes ``/metrics``, while ``in_flight`` (the router's own count)
 is always current.
@@ -22,8 +23,7 @@ from kvmesh.errors import ConfigError
 from kvmesh.router.flow_control import SaturationDetector, continues_cached_work
 from kvmesh.router.index import InMemoryIndex
 from kvmesh.router.ingest import EventApplier
-from kvmesh.router.plugins.registry import prefill_ledger_of
-from kvmesh.router.prefix import match_prefix_keys
+from kvmesh.router.plugins.registry import TTFT_ESTIMATE_SCORER, prefill_ledger_of
 from kvmesh.router.scheduler import PRESET_NAMES, Scheduler, load_scheduler_config
 from kvmesh.router.types import EndpointState, RoutingRequest
 from kvmesh.sim.replica import SimReplica, SimRequest
@@ -32,8 +32,6 @@ SIM_MODEL = "sim"
 """Model name in every simulated namespace (engines' caches and the router's applier agree on it)."""
 
 SIM_HASH_ALGO = HashAlgo.XXH3
-
-TTFT_ESTIMATE_SCORER = "ttft-estimate-scorer"
 
 
 def with_cost_model_prior(
@@ -183,18 +181,19 @@ class SimRouter:
         if now - self._scraped_at >= self.metrics_interval_s:
             self._scrape(now)
         self._settle_first_tokens(gateway, now)
-        prefix = match_prefix_keys(self.index, req.keys, len(req.keys), self.block_size)
+        scheduler = self.schedulers[gateway]
         # the estimate reads the prompt's length and its matched prefix only: no token list is built
-        request = RoutingRequest(req.request_id, range(req.prompt_len), self.namespace, prefix=prefix)
-        return detector.admissible(self.schedulers[gateway], request, self._states[gateway])
+        request = RoutingRequest(req.request_id, range(req.prompt_len), self.namespace)
+        request.prefix = scheduler.match(request, req.keys)
+        return detector.admissible(scheduler, request, self._states[gateway])
 
     def continues_cached_work(self, req: SimRequest, share: float) -> bool:
         """Whether ``share`` of ``req``'s prompt is cached somewhere, by the index (flow control's
         ``continuationShare``)."""
         if share <= 0 or not req.keys:
             return False
-        prefix = match_prefix_keys(self.index, req.keys, len(req.keys), self.block_size)
-        return continues_cached_work(prefix, req.prompt_len, share)
+        request = RoutingRequest(req.request_id, range(req.prompt_len), self.namespace)
+        return continues_cached_work(self.scheduler.match(request, req.keys), req.prompt_len, share)
 
     def route(
         self,
@@ -217,8 +216,8 @@ class SimRouter:
             gateway = self.next_gateway()
         scheduler, states = self.schedulers[gateway], self._states[gateway]
         self._settle_first_tokens(gateway, now)
-        prefix = match_prefix_keys(self.index, req.keys, len(req.keys), self.block_size)
-        request = RoutingRequest(req.request_id, req.tokens, self.namespace, prefix=prefix)
+        request = RoutingRequest(req.request_id, req.tokens, self.namespace)
+        prefix = request.prefix = scheduler.match(request, req.keys)
         candidates = states if endpoints is None else endpoints
         if scheduler.pd is None:
             ranked = scheduler.rank(request, candidates)
