@@ -65,6 +65,7 @@ from kvmesh.bench.report import make_console
 from kvmesh.bench.route_counts import GENERATION_ROUTES, PREPARATION_ROUTES, num_requests, scrape_route_counts
 from kvmesh.bench.runner import RunOptions, run_workload
 from kvmesh.core.tokens import Tokenizer
+from kvmesh.errors import FleetError
 from kvmesh.fleet import Fleet, FleetConfig
 from kvmesh.fleet.peer_routers import (
     PEER_EVENTS_TOPIC,
@@ -74,7 +75,6 @@ from kvmesh.fleet.peer_routers import (
     peer_unavailable_reason,
     start_peer_router,
 )
-from kvmesh.fleet.process import FleetError
 from kvmesh.router.scheduler import PRESET_NAMES
 from kvmesh.workload import MultiTurnWorkload, SharedPrefixWorkload, Stage, Workload, synthetic_text
 

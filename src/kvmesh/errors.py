@@ -32,6 +32,10 @@ class ModelLoadError(KVMeshError):
     """A model or tokenizer could not be loaded from local files."""
 
 
+class FleetError(KVMeshError):
+    """A fleet process failed to start, exited early, or never became healthy."""
+
+
 class RequestError(KVMeshError, ValueError):
     """A client request is invalid; the server answers it with a 4xx and this message."""
 

@@ -14,7 +14,7 @@ from kvmesh.demo.run import (
     real_workload,
     resolve_engine,
 )
-from kvmesh.fleet.process import FleetError
+from kvmesh.errors import FleetError
 
 
 @pytest.mark.parametrize("quick", [True, False])

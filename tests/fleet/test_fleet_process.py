@@ -9,8 +9,9 @@ import sys
 import pytest
 from fleet_helpers import pid_alive
 
+from kvmesh.errors import FleetError
 from kvmesh.fleet import Fleet, FleetConfig
-from kvmesh.fleet.process import FleetError, ManagedProcess, tcp_probe, wait_until
+from kvmesh.fleet.process import ManagedProcess, tcp_probe, wait_until
 from kvmesh.store.local_server import find_server_binary
 
 

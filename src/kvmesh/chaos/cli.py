@@ -39,7 +39,7 @@ def _run(args: argparse.Namespace) -> int:
     from kvmesh.chaos.bounds import ScenarioResult
     from kvmesh.chaos.harness import SCENARIOS, ChaosConfig, run
     from kvmesh.chaos.report import JSON_NAME, PNG_NAME, plot_timeline, render_table, write_json
-    from kvmesh.fleet.process import FleetError
+    from kvmesh.errors import FleetError
 
     console = Console()
     config = ChaosConfig(

@@ -12,8 +12,8 @@ import aiohttp
 
 from kvmesh.chaos.load import SteadyLoad
 from kvmesh.chaos.schedule import Durations, FaultLog
+from kvmesh.errors import FleetError
 from kvmesh.fleet.launcher import Fleet
-from kvmesh.fleet.process import FleetError
 from kvmesh.router.index import SHARED_TIER_HOLDER
 from kvmesh.workload import RequestSpec
 

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from kvmesh.chaos.bounds import ScenarioResult
 from kvmesh.chaos.context import ChaosContext, poll_until
-from kvmesh.fleet.process import FleetError
+from kvmesh.errors import FleetError
 
 PROMPT_TOKENS = 336
 """One full 256-token store chunk and a tail."""

@@ -16,7 +16,7 @@ from kvmesh.bench.runner import send_request
 from kvmesh.chaos.bounds import ScenarioResult
 from kvmesh.chaos.context import ChaosContext, poll_until
 from kvmesh.chaos.load import hit_rate, num_failed, seconds_to_recover, ttft_quantile
-from kvmesh.fleet.process import FleetError
+from kvmesh.errors import FleetError
 from kvmesh.workload import RequestSpec
 
 DEAD_ENGINE_BOUND_S = 2.0

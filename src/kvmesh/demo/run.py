@@ -39,8 +39,8 @@ from kvmesh.bench.report import (
 )
 from kvmesh.bench.runner import RunOptions
 from kvmesh.demo import real_vllm
+from kvmesh.errors import FleetError
 from kvmesh.fleet import EngineKind, Fleet, FleetConfig, SharedTier
-from kvmesh.fleet.process import FleetError
 from kvmesh.fleet.vllm import vllm_unavailable_reason
 from kvmesh.workload import SharedPrefixWorkload
 

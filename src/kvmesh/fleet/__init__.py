@@ -4,9 +4,10 @@
 replicas) and ``peer_routers`` (other projects' routers in front of a fleet's engines).
 """
 
+from kvmesh.errors import FleetError
 from kvmesh.fleet.config import EngineHandle, EngineKind, FleetConfig, SharedTier, split_args
 from kvmesh.fleet.launcher import Fleet, launch
-from kvmesh.fleet.process import FleetError, ManagedProcess
+from kvmesh.fleet.process import ManagedProcess
 from kvmesh.fleet.vllm import VllmReplica, vllm_unavailable_reason
 
 __all__ = [

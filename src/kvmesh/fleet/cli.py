@@ -69,9 +69,9 @@ def _fleet_table(fleet: Any) -> Table:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    from kvmesh.errors import FleetError
     from kvmesh.fleet.config import FleetConfig, split_args
     from kvmesh.fleet.launcher import Fleet
-    from kvmesh.fleet.process import FleetError
 
     console = Console()
     if not console.is_terminal:

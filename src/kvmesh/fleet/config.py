@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from kvmesh.fleet.process import FleetError, ManagedProcess
+from kvmesh.errors import FleetError
+from kvmesh.fleet.process import ManagedProcess
 from kvmesh.store.local_server import find_server_binary
 
 SharedTier = Literal["dir", "redis", "valkey", "none"]

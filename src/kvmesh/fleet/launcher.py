@@ -37,6 +37,7 @@ from pathlib import Path
 import aiohttp
 
 from kvmesh.core.net import free_port, free_ports
+from kvmesh.errors import FleetError
 from kvmesh.fleet.config import (
     HOST,
     SHARED_TIER_MAXMEMORY,
@@ -47,7 +48,6 @@ from kvmesh.fleet.config import (
     redis_server_binary,
 )
 from kvmesh.fleet.process import (
-    FleetError,
     ManagedProcess,
     all_healthy_probe,
     http_probe,

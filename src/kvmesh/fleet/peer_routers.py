@@ -28,8 +28,9 @@ from typing import Literal
 import aiohttp
 
 from kvmesh.core.net import free_ports
+from kvmesh.errors import FleetError
 from kvmesh.fleet.config import HOST, EngineHandle
-from kvmesh.fleet.process import FleetError, ManagedProcess, wait_until
+from kvmesh.fleet.process import ManagedProcess, wait_until
 from kvmesh.fleet.vllm import repo_root
 
 PeerKind = Literal["sglang", "vllm"]

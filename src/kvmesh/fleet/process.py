@@ -20,13 +20,9 @@ from pathlib import Path
 
 import aiohttp
 
-from kvmesh.errors import KVMeshError
+from kvmesh.errors import FleetError
 
 _PR_SET_PDEATHSIG = 1
-
-
-class FleetError(KVMeshError):
-    """A fleet process failed to start, exited early, or never became healthy."""
 
 
 def _die_with_parent() -> None:
