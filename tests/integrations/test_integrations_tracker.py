@@ -252,3 +252,41 @@ def test_an_unpinned_request_emits_no_pin() -> None:
     )
     (save,) = tracker.take_specs()[1]
     assert save.pin_ttl_s is None and (save.skip_tokens, save.end) == (32, 96)
+
+
+def test_a_load_at_the_threshold_is_planned_in_the_background_at_allocation() -> None:
+    tracker = RequestTracker(32, 16, background_load_min_tokens=48)
+    prompt = list(range(100))
+    assert tracker.on_lookup("small", prompt, NS, 32, 64) == 32
+    assert not tracker.loads_in_background("small")  # 32 tokens: loaded in the step
+    assert tracker.on_lookup("big", prompt, NS, 16, 64) == 48
+    assert tracker.loads_in_background("big")
+    with pytest.raises(ValueError, match="needs the request's blocks"):
+        tracker.on_alloc("big", 48)
+    tracker.on_alloc("big", 48, [7, 8, 9, 10, 11, 12, 13])
+    loads, _ = tracker.take_specs()
+    assert loads == [LoadSpec("big", tuple(range(64)), (7, 8, 9, 10, 11, 12, 13), 16, 64, NS, True)]
+    # scheduled once its KV arrived (64 tokens computed): nothing is loaded twice
+    tracker.on_scheduled(
+        "big",
+        prompt=None,
+        namespace=None,
+        block_ids=[7, 8, 9, 10, 11, 12, 13],
+        replace_blocks=True,
+        num_computed=64,
+        num_scheduled=36,
+    )
+    loads, _ = tracker.take_specs()
+    assert loads == []
+    assert not RequestTracker(32, 16).loads_in_background("big")  # no threshold: always in the step
+
+
+def test_a_background_load_that_failed_is_not_offered_again() -> None:
+    tracker = RequestTracker(32, 16, background_load_min_tokens=1)
+    prompt = list(range(100))
+    for req_id, blocks in (("bad", [1, 2, 3, 4]), ("good", [5, 6, 7, 8])):
+        assert tracker.on_lookup(req_id, prompt, NS, 0, 64) == 64
+        tracker.on_alloc(req_id, 64, blocks)
+    tracker.on_background_loads_done({"bad", "good"}, {3})
+    assert tracker.num_stored("bad") == 0 and tracker.num_stored("good") == 64
+    assert tracker.on_lookup("bad", prompt, NS, 0, tracker.num_stored("bad") or 0) == 0

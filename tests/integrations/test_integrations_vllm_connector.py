@@ -444,3 +444,71 @@ def test_a_request_without_saves_frees_its_blocks_at_once(replicas: tuple[Replic
     assert meta.saves == []
     assert a.scheduler.request_finished(req, [1]) == (False, None)
     assert a.worker.get_finished({"short"}) == (None, None)
+
+
+def empty_output() -> Any:
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+    return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={})
+
+
+def await_recving(replica: Replica, req_id: str) -> None:
+    for _ in range(1000):
+        _, recving = replica.worker.get_finished(set())
+        if recving:
+            assert recving == {req_id}
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError(f"background load of {req_id} never reported")
+
+
+@pytest.mark.parametrize("lose_chunks", [False, True])
+def test_a_large_load_runs_in_the_background(tmp_path: Path, lose_chunks: bool) -> None:
+    """A load of at least async_load_min_mib is offered as asynchronous: planned on the request's
+    blocks at allocation, run off the step, reported in finished_recving; a load that comes up
+    short reports its blocks and the request is offered nothing from the store again."""
+    store = tmp_path / "store.yaml"
+    store.write_text(f"chunk_size: 32\nshared_dir: {tmp_path / 'fleet'}\n")
+    a = Replica({"store": str(store), "max_inflight": 8}, PagedLayout.KV_FIRST)
+    # 192 bytes of KV per token: 0.01 MiB is 55 tokens, so an 80-token load runs in the background
+    b = Replica(
+        {"store": str(store), "max_inflight": 9, "async_load_min_mib": 0.01}, PagedLayout.BLOCKS_FIRST
+    )
+    try:
+        prompt = list(range(300, 400))
+        kv = request_kv(100, seed=11)
+        req = make_request("a-1", prompt)
+        a.scheduler.get_num_new_matched_tokens(req, 0)
+        a.scheduler.update_state_after_alloc(req, None, 0)
+        a.step(new_req_output(req, [8, 3, 5, 0, 1, 2, 9], 0, 100), kv, [8, 3, 5, 0, 1, 2, 9])
+        assert a.worker.bridge.drain(10.0)
+
+        req_b = make_request("b-1", prompt[:96] + list(range(7000, 7014)))
+        assert b.scheduler.get_num_new_matched_tokens(req_b, 16) == (80, True)
+        b_blocks = [11, 4, 6, 10, 7, 3, 2]
+        b.scheduler.update_state_after_alloc(req_b, SimpleNamespace(get_block_ids=lambda: (b_blocks,)), 80)
+        if lose_chunks:
+            for path in (tmp_path / "fleet").rglob("*"):
+                if path.is_file():
+                    path.unlink()
+        meta = b.step(empty_output())  # the request waits for its KV; it is not scheduled
+        assert [(s.start, s.end, s.block_ids, s.background) for s in meta.loads] == [
+            (16, 96, tuple(b_blocks), True)
+        ]
+        await_recving(b, "b-1")
+        invalid = b.worker.get_block_ids_with_load_errors()
+        b.scheduler.update_connector_output(
+            SimpleNamespace(finished_recving={"b-1"}, invalid_block_ids=invalid)
+        )
+        if lose_chunks:
+            assert invalid == {4, 6, 10, 7, 3}  # tokens 16..95: every block the load was to write
+            assert b.scheduler.get_num_new_matched_tokens(req_b, 0) == (0, False)  # not offered again
+            return
+        assert invalid == set()
+        got = read_request(b.layers, PagedLayout.BLOCKS_FIRST, b_blocks, BS, 110)
+        assert torch.equal(bits(got[:, :, :, 16:96]), bits(kv[:, :, :, 16:96]))
+        # once scheduled (its loaded tokens computed) the request loads nothing more
+        meta = b.step(new_req_output(req_b, b_blocks, 96, 14))
+        assert meta.loads == []
+    finally:
+        a.close()
+        b.close()

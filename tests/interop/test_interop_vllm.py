@@ -92,6 +92,8 @@ def test_second_vllm_loads_what_the_first_computed(
     assert warm.cached_tokens >= 0.9 * whole_chunks, (warm, whole_chunks)
     assert external == warm.cached_tokens  # vLLM's own metric counts kvmesh's load as external hits
     assert warm.text == cold.text  # greedy first token identical to the cold run
+    # the load (over 64 MiB of float32 KV) ran off vLLM's step, reported through finished_recving
+    assert "first background load" in second.proc.log_path.read_text()
 
 
 # ---------------------------------------------------------------- router in front of vLLM

@@ -18,6 +18,7 @@
 | ``revision`` | vLLM's revision | revision in store keys |
 | ``tenant`` | "" | tenant salt for requests without a ``cache_salt`` |
 | ``announce_shared_writes`` | true | publish a ``"SHARED"`` ``BlockStored`` through vLLM's KV events when a save lands in a shared tier |
+| ``async_load_min_mib`` | 64 | loads of at least this much KV run in the background (vLLM steps other requests meanwhile); smaller ones run in the step, which saves the request a step's wait |
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ _KEYS = frozenset(
         "revision",
         "tenant",
         "announce_shared_writes",
+        "async_load_min_mib",
     }
 )
 
@@ -57,6 +59,7 @@ class ConnectorSettings:
     revision: str | None = None
     tenant: str = ""
     announce_shared_writes: bool = True
+    async_load_min_mib: float = 64.0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -89,6 +92,9 @@ class ConnectorSettings:
             announce_shared_writes=_bool(
                 "announce_shared_writes", values.get("announce_shared_writes", True)
             ),
+            async_load_min_mib=_non_negative_float(
+                "async_load_min_mib", values.get("async_load_min_mib", 64.0)
+            ),
         )
         return settings
 
@@ -102,6 +108,12 @@ def _opt_str(key: str, value: object) -> str | None:
 def _positive_float(key: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ConfigError(f"kvmesh connector setting {key!r} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _non_negative_float(key: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ConfigError(f"kvmesh connector setting {key!r} must be a number >= 0, got {value!r}")
     return float(value)
 
 

@@ -13,6 +13,7 @@ by a :meth:`PagedKVTransfer.fence` the engine thread took.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -62,9 +63,19 @@ class PagedKVTransfer:
         layers: the cache, one tensor per attention layer in model order, all of ``geometry``.
         geometry: the layers' shape.
         bridge: the store.
+        own_stream: loads run on a CUDA stream of their own and wait for it (a transfer used by a
+            thread other than the engine's); the engine's thread leaves it off, its loads feeding
+            the forward pass queued after them.
     """
 
-    def __init__(self, layers: Sequence[torch.Tensor], geometry: PagedGeometry, bridge: StoreBridge) -> None:
+    def __init__(
+        self,
+        layers: Sequence[torch.Tensor],
+        geometry: PagedGeometry,
+        bridge: StoreBridge,
+        *,
+        own_stream: bool = False,
+    ) -> None:
         self.layers = list(layers)
         self.geometry = geometry
         self.bridge = bridge
@@ -72,6 +83,7 @@ class PagedKVTransfer:
         device = self.layers[0].device if self.layers else torch.device("cpu")
         self._stager = PinnedStager(device) if device.type == "cuda" else None
         self._save_stager = PinnedStager(device) if device.type == "cuda" else None
+        self._own_stream = torch.cuda.Stream(device) if own_stream and device.type == "cuda" else None
 
     def fence(self) -> torch.cuda.Event | None:
         """On a CUDA cache, an event marking the engine's work queued so far (pass it to
@@ -82,22 +94,38 @@ class PagedKVTransfer:
     def load(self, spec: LoadSpec) -> set[int]:
         """Fill tokens ``spec.start..spec.end-1`` from the store.
 
+        Off the engine's thread (a background load) on a CUDA cache, the copies run on a stream of
+        this transfer's own and are complete when this returns.
+
         Returns:
             Block ids that were not filled (empty when the whole range loaded); the engine must
             recompute them.
         """
         if spec.end <= spec.start:
             return set()
+        if self._own_stream is None:
+            return self._load(spec)
+        with torch.cuda.stream(self._own_stream):
+            failed = self._load(spec)
+        self._own_stream.synchronize()
+        return failed
+
+    def blocks_of(self, spec: LoadSpec) -> set[int]:
+        """The block ids ``spec`` writes."""
+        if spec.end <= spec.start:
+            return set()
         bs = self.geometry.block_size
+        return set(spec.block_ids[spec.start // bs : (spec.end - 1) // bs + 1])
+
+    def _load(self, spec: LoadSpec) -> set[int]:
         result = self.bridge.retrieve(
             spec.token_ids, spec.namespace, max_tokens=len(spec.token_ids), join=False
         )
         got = self._scatter_loaded(spec, result.parts) if result.parts else 0
         if got < spec.end:
             self.stats.num_failed_load_tokens += spec.end - max(got, spec.start)
-            first_bad = max(got, spec.start) // bs
-            last = (spec.end - 1) // bs
-            return set(spec.block_ids[first_bad : last + 1])
+            partial = dataclasses.replace(spec, start=max(got, spec.start))
+            return self.blocks_of(partial)
         return set()
 
     def _scatter_loaded(self, spec: LoadSpec, parts: Sequence[np.ndarray]) -> int:

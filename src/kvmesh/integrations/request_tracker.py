@@ -38,6 +38,8 @@ class LoadSpec:
         start: first token to write (tokens before it are already computed).
         end: one past the last token to write.
         namespace: the request's store namespace.
+        background: the engine waits for this load (``WAITING_FOR_REMOTE_KVS``) while it steps
+            other requests; the worker runs it off the step and reports it in ``finished_recving``.
     """
 
     req_id: str
@@ -46,6 +48,7 @@ class LoadSpec:
     start: int
     end: int
     namespace: Namespace
+    background: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +88,7 @@ class _Request:
     load_start: int = 0
     load_end: int = 0
     load_pending: bool = False
+    load_background: bool = False
     saved_until: int = 0
     blocks: PromptBlocks | None = None
     pin_ttl_s: float | None = None
@@ -109,17 +113,27 @@ class RequestTracker:
         chunk_size: tokens per store chunk.
         block_size: tokens per engine KV block.
         save: whether computed prompt chunks are saved (``False`` makes the connector load-only).
+        background_load_min_tokens: loads of at least this many tokens run in the background
+            (``None``: every load is synchronous).
 
     Raises:
         ValueError: a non-positive size.
     """
 
-    def __init__(self, chunk_size: int, block_size: int, *, save: bool = True) -> None:
+    def __init__(
+        self,
+        chunk_size: int,
+        block_size: int,
+        *,
+        save: bool = True,
+        background_load_min_tokens: int | None = None,
+    ) -> None:
         if chunk_size <= 0 or block_size <= 0:
             raise ValueError(f"chunk_size and block_size must be positive, got {chunk_size}, {block_size}")
         self.chunk_size = chunk_size
         self.block_size = block_size
         self.save = save
+        self.background_load_min_tokens = background_load_min_tokens
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadSpec] = []
         self._saves: list[SaveSpec] = []
@@ -177,13 +191,24 @@ class RequestTracker:
         req.load_start = num_computed
         req.load_end = num_computed + num_load
         req.load_pending = False
+        threshold = self.background_load_min_tokens
+        req.load_background = threshold is not None and num_load > 0 and num_load >= threshold
         return num_load
 
-    def on_alloc(self, req_id: str, num_external_tokens: int) -> None:
+    def loads_in_background(self, req_id: str) -> bool:
+        """Whether the load :meth:`on_lookup` planned for ``req_id`` runs in the background."""
+        req = self._requests.get(req_id)
+        return req is not None and req.load_background
+
+    def on_alloc(self, req_id: str, num_external_tokens: int, block_ids: Sequence[int] | None = None) -> None:
         """The engine allocated blocks for ``num_external_tokens`` loaded tokens (0: load nothing).
 
+        A background load is emitted at once, on ``block_ids`` (the request's blocks): the engine
+        does not schedule the request until the load is reported done. A synchronous one is emitted
+        when the request is scheduled.
+
         Raises:
-            ValueError: more tokens than the lookup offered.
+            ValueError: more tokens than the lookup offered, or a background load without blocks.
         """
         req = self._requests.get(req_id)
         if req is None:
@@ -197,6 +222,12 @@ class RequestTracker:
             )
         req.load_end = req.load_start + num_external_tokens
         req.load_pending = num_external_tokens > 0
+        if req.load_pending and req.load_background:
+            if block_ids is None:
+                raise ValueError(f"request {req_id!r}: a background load needs the request's blocks")
+            req.block_ids = list(block_ids)
+            req.load_pending = False
+            self._loads.append(self._load_spec(req_id, req, background=True))
 
     def on_scheduled(
         self,
@@ -232,17 +263,7 @@ class RequestTracker:
             req.block_ids.extend(block_ids)
         if req.load_pending:
             req.load_pending = False
-            chunks = -(-req.load_end // self.chunk_size)
-            self._loads.append(
-                LoadSpec(
-                    req_id,
-                    req.prompt[: chunks * self.chunk_size],
-                    tuple(req.block_ids),
-                    req.load_start,
-                    req.load_end,
-                    req.namespace,
-                )
-            )
+            self._loads.append(self._load_spec(req_id, req, background=False))
         if not self.save:
             return
         if req.pin_ttl_s is not None and not req.pinned_stored and req.saved_until > 0:
@@ -277,6 +298,31 @@ class RequestTracker:
                 )
             )
             req.saved_until = end
+
+    def on_background_loads_done(
+        self, req_ids: Sequence[str] | set[str], invalid_block_ids: set[int]
+    ) -> None:
+        """The workers finished these background loads; a request any of whose blocks failed is
+        offered nothing from the store again (vLLM asks anew when a load left no valid token, and
+        the same chunks would fail the same way)."""
+        if not invalid_block_ids:
+            return
+        for req_id in req_ids:
+            req = self._requests.get(req_id)
+            if req is not None and not invalid_block_ids.isdisjoint(req.block_ids):
+                req.num_stored = 0
+
+    def _load_spec(self, req_id: str, req: _Request, *, background: bool) -> LoadSpec:
+        chunks = -(-req.load_end // self.chunk_size)
+        return LoadSpec(
+            req_id,
+            req.prompt[: chunks * self.chunk_size],
+            tuple(req.block_ids),
+            req.load_start,
+            req.load_end,
+            req.namespace,
+            background,
+        )
 
     def take_specs(self) -> tuple[list[LoadSpec], list[SaveSpec]]:
         """The loads and saves emitted since the last call (the next step's work)."""

@@ -46,6 +46,7 @@ from kvmesh.core.pins import transfer_pin_ttl
 from kvmesh.core.torch_kv import store_dtype_name
 from kvmesh.core.types import ExternalBlockHash, Medium
 from kvmesh.errors import RequestError
+from kvmesh.integrations.background_loader import BackgroundLoader
 from kvmesh.integrations.background_saver import BackgroundSaver
 from kvmesh.integrations.connector_config import ConnectorSettings
 from kvmesh.integrations.paged_kv import PagedLayout, check_layers, detect_geometry
@@ -54,7 +55,9 @@ from kvmesh.integrations.request_tracker import LoadSpec, RequestTracker, SaveSp
 from kvmesh.integrations.shared_events import PromptBlocks, SharedWriteAnnouncer
 from kvmesh.integrations.store_bridge import StoreBridge
 
-_log = logging.getLogger(__name__)
+# Under vLLM's logger tree: vLLM configures only "vllm.*", so the connector's lines show in the
+# server's log, in its format and at its level, next to vLLM's own.
+_log = logging.getLogger("vllm.kvmesh.connector")
 _SAVER_CLOSE_TIMEOUT_S = 30.0
 
 try:
@@ -453,7 +456,15 @@ class KVMeshConnector(_ConnectorBase):
             self.bridge.chunk_size * 2 * fmt.num_layers * fmt.num_kv_heads * fmt.head_dim * element_bytes
         )
         self._set_cache_hit_source()
-        self.tracker = RequestTracker(self.bridge.chunk_size, self.block_size, save=self.settings.save)
+        token_bytes = 2 * fmt.num_layers * fmt.num_kv_heads * fmt.head_dim * element_bytes
+        self.tracker = RequestTracker(
+            self.bridge.chunk_size,
+            self.block_size,
+            save=self.settings.save,
+            background_load_min_tokens=max(
+                1, -(-int(self.settings.async_load_min_mib * 2**20) // token_bytes)
+            ),
+        )
         self.transfer: PagedKVTransfer | None = None
         self._failed_blocks: set[int] = set()
         self.announces_shared_writes = self._will_announce(vllm_config, kv_cache_config)
@@ -463,6 +474,7 @@ class KVMeshConnector(_ConnectorBase):
         self._shared_events: list[Any] = []
         self._saving_req_ids: set[str] = set()
         self._saver: BackgroundSaver | None = None
+        self._loader: BackgroundLoader | None = None
 
     def _will_announce(self, vllm_config: Any, kv_cache_config: Any) -> bool:
         """Whether saves that land in a shared tier become SHARED KV events: the setting is on,
@@ -519,7 +531,8 @@ class KVMeshConnector(_ConnectorBase):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` the store can fill (whole blocks, never the last
-        prompt token); loads are synchronous, so the second value is always ``False``."""
+        prompt token), and whether that load runs in the background (at least
+        ``async_load_min_mib`` of KV: vLLM steps other requests meanwhile)."""
         if not _keyed_by_tokens(request):
             return 0, False
         prompt = request.prompt_token_ids
@@ -538,7 +551,7 @@ class KVMeshConnector(_ConnectorBase):
         num_load = self.tracker.on_lookup(
             req_id, prompt, namespace, num_computed_tokens, num_stored, blocks, _pin_ttl(request)
         )
-        return num_load, False
+        return num_load, self.tracker.loads_in_background(req_id)
 
     def _prompt_blocks(self, request: Any) -> PromptBlocks | None:
         """vLLM's names for the blocks of the prompt's whole store chunks (what a SHARED event
@@ -565,8 +578,12 @@ class KVMeshConnector(_ConnectorBase):
         )
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """Plan the load of ``num_external_tokens`` tokens (0: nothing to load)."""
-        self.tracker.on_alloc(request.request_id, num_external_tokens)
+        """Plan the load of ``num_external_tokens`` tokens (0: nothing to load); a background load
+        is planned on the request's blocks now, since vLLM will not schedule it until it is done."""
+        block_ids = None
+        if num_external_tokens and self.tracker.loads_in_background(request.request_id):
+            block_ids = _first_group(blocks.get_block_ids())
+        self.tracker.on_alloc(request.request_id, num_external_tokens, block_ids)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVMeshConnectorMetadata:
         """This step's loads and saves, from the requests vLLM scheduled."""
@@ -612,7 +629,12 @@ class KVMeshConnector(_ConnectorBase):
         return had_saves, None
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Keep the SHARED events the workers reported this step for :meth:`take_events`."""
+        """Keep the SHARED events the workers reported this step for :meth:`take_events`, and note
+        background loads that came up short."""
+        finished_recving = getattr(connector_output, "finished_recving", None)
+        if finished_recving:
+            invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+            self.tracker.on_background_loads_done(finished_recving, invalid)
         events = getattr(connector_output, "kv_cache_events", None)
         if isinstance(events, SharedTierEvents):
             self._shared_events.extend(events.get_all_events())
@@ -709,7 +731,24 @@ class KVMeshConnector(_ConnectorBase):
             return
         for spec in meta.loads:
             spec = _with_namespace(spec, self._worker_namespace(spec.namespace))
-            self._failed_blocks |= self.transfer.load(spec)
+            if spec.background:
+                self._background_loader(spec.end - spec.start).submit(spec)
+            else:
+                self._failed_blocks |= self.transfer.load(spec)
+
+    def _background_loader(self, spec_tokens: int) -> BackgroundLoader:
+        if self._loader is None:
+            assert self.transfer is not None
+            t = self.transfer
+            # A transfer of its own: its device copies run on a stream of their own, off the step's.
+            own = PagedKVTransfer(t.layers, t.geometry, t.bridge, own_stream=True)
+            self._loader = BackgroundLoader(own.load, own.blocks_of)
+            _log.info(
+                "KVMeshConnector: first background load (%d tokens); loads of %.0f MiB or more run off the step",
+                spec_tokens,
+                self.settings.async_load_min_mib,
+            )
+        return self._loader
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads finish inside :meth:`start_load_kv`; nothing to wait for."""
@@ -730,11 +769,17 @@ class KVMeshConnector(_ConnectorBase):
             saver.submit(spec, fence)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Finished requests whose saves have all run (their blocks may be freed); loads are
-        synchronous, so nothing is received."""
-        if self._saver is None:
-            return None, None
-        return self._saver.finished(finished_req_ids) or None, None
+        """Finished requests whose saves have all run (their blocks may be freed), and requests
+        whose background loads ran (blocks they could not fill go to
+        :meth:`get_block_ids_with_load_errors`, which vLLM reads after this in the same step)."""
+        sending = self._saver.finished(finished_req_ids) if self._saver is not None else None
+        recving = None
+        if self._loader is not None:
+            done = self._loader.take_finished()
+            for failed in done.values():
+                self._failed_blocks |= failed
+            recving = set(done)
+        return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks a load could not fill since the last call (vLLM recomputes them)."""
@@ -755,6 +800,10 @@ class KVMeshConnector(_ConnectorBase):
         if saver is not None:
             self._saver = None
             saver.close(_SAVER_CLOSE_TIMEOUT_S)
+        loader = getattr(self, "_loader", None)
+        if loader is not None:
+            self._loader = None
+            loader.close(_SAVER_CLOSE_TIMEOUT_S)
         bridge = getattr(self, "bridge", None)
         if bridge is not None:
             self.bridge = None  # type: ignore[assignment]
