@@ -24,7 +24,7 @@ from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
 from kvmesh.core.tenancy import Role
 from kvmesh.core.tokens import Tokenizer
 from kvmesh.engine.core import EngineCore, SchedulerConfig
-from kvmesh.engine.emulated_runner import PLACEHOLDER_KV, EmulatedRunner
+from kvmesh.engine.emulated_runner import EmulatedRunner
 from kvmesh.engine.prefix_cache import PrefixCache
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.server import EngineServer, ServerConfig
@@ -71,16 +71,14 @@ class _ClosingServer(EngineServer):
 
     publisher: EventPublisher
     store_closer: PrefixStore | None
-    runner_closer: Any
+    runner_closer: ModelRunner
 
     async def stop(self) -> None:
         await super().stop()
         self.publisher.close()
         if self.store_closer is not None:
             await self.store_closer.aclose()
-        close = getattr(self.runner_closer, "close", None)
-        if close is not None:
-            await asyncio.to_thread(close)
+        await asyncio.to_thread(self.runner_closer.close)
 
 
 def _load_runner(opts: EngineOptions) -> tuple[ModelRunner, Tokenizer, str, str]:
@@ -127,7 +125,7 @@ async def build_engine(opts: EngineOptions, *, runner: ModelRunner | None = None
     """
     if runner is not None and tokenizer is not None:
         the_runner, the_tokenizer = runner, tokenizer
-        revision, model_path = str(getattr(runner, "revision", "")), ""
+        revision, model_path = "", ""
     else:
         the_runner, the_tokenizer, revision, model_path = await asyncio.to_thread(_load_runner, opts)
     runner, tokenizer = the_runner, the_tokenizer
@@ -135,19 +133,12 @@ async def build_engine(opts: EngineOptions, *, runner: ModelRunner | None = None
     served = opts.served_model_name or info.model_name
     namespace = Namespace(served, revision)
     hasher = BlockHasher(namespace, opts.block_size, HashAlgo(opts.hash_algo))
-    emulated = isinstance(runner, EmulatedRunner)
-    if opts.kv_capacity_tokens is not None:
-        capacity = opts.kv_capacity_tokens
-    elif isinstance(runner, EmulatedRunner):
-        capacity = runner.cost.kv_capacity_tokens()
-    else:
-        capacity = 32_768
-    cache = PrefixCache(capacity, opts.block_size, hasher, keep_kv=not emulated, kv_ops=runner.kv_ops)
-    preset = runner.preset if isinstance(runner, EmulatedRunner) else None
+    defaults = runner.engine_defaults()
+    capacity = opts.kv_capacity_tokens if opts.kv_capacity_tokens is not None else defaults.kv_capacity_tokens
+    cache = PrefixCache(capacity, opts.block_size, hasher, keep_kv=defaults.keeps_kv, kv_ops=runner.kv_ops)
     sched = SchedulerConfig(
-        max_num_seqs=opts.max_num_seqs or (preset.max_num_seqs if preset else 16),
-        max_num_batched_tokens=opts.max_num_batched_tokens
-        or (preset.max_num_batched_tokens if preset else 2048),
+        max_num_seqs=opts.max_num_seqs or defaults.max_num_seqs,
+        max_num_batched_tokens=opts.max_num_batched_tokens or defaults.max_num_batched_tokens,
         announce_shared_writes=opts.announce_shared_writes,
         announce_local_tiers=opts.announce_local_tiers,
     )
@@ -159,15 +150,8 @@ async def build_engine(opts: EngineOptions, *, runner: ModelRunner | None = None
         if engine.block_size != opts.block_size:
             await engine.aclose()
             raise ValueError(f"store block_size {engine.block_size} != engine block_size {opts.block_size}")
-        # Emulated KV is a placeholder with a KV format of its own (never a real engine's keys).
-        if isinstance(runner, EmulatedRunner):
-            kv_dtype, kv_layout = runner.store_kv_format()
-            bytes_per_token = PLACEHOLDER_KV.bytes_per_token
-        else:
-            kv_dtype, kv_layout = info.kv.dtype, info.kv.name()
-            bytes_per_token = info.kv.bytes_per_token
-        engine.bind_layout(kv_dtype, kv_layout)
-        engine.tiered.expect_chunk_bytes(engine.chunk_size * bytes_per_token)
+        engine.bind_layout(defaults.store_kv_dtype, defaults.store_kv_layout)
+        engine.tiered.expect_chunk_bytes(engine.chunk_size * defaults.store_bytes_per_token)
         store = CacheEngineStore(engine, namespace)
     publisher: EventPublisher = NullEventPublisher()
     events_endpoint = replay_endpoint = None
@@ -176,7 +160,7 @@ async def build_engine(opts: EngineOptions, *, runner: ModelRunner | None = None
         publisher = zmq_pub
         events_endpoint, replay_endpoint = zmq_pub.endpoint, zmq_pub.replay_endpoint
     core = EngineCore(the_runner, cache, sched, store=store, publisher=publisher)
-    interval = opts.stream_interval if opts.stream_interval is not None else (0.05 if emulated else 0.0)
+    interval = opts.stream_interval if opts.stream_interval is not None else defaults.stream_interval_s
     config = ServerConfig(
         served_model_name=served,
         model_aliases=tuple({opts.model, info.model_name} - {served}),

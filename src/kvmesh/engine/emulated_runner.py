@@ -29,6 +29,7 @@ import xxhash
 from kvmesh.engine.cost_model import CostModel, CostPreset, get_preset
 from kvmesh.engine.runner import (
     NUMPY_KV,
+    EngineDefaults,
     KVLayout,
     KVOps,
     ModelRunner,
@@ -119,6 +120,24 @@ class EmulatedRunner:
         while token in self.info.eos_token_ids:
             token = (token + 1) % self.info.vocab_size
         return token
+
+    def engine_defaults(self) -> EngineDefaults:
+        """The preset's batch limits and KV capacity; placeholder KV, not kept in the device tier
+        and stored in its own format (:meth:`store_kv_format`); streams flushed every 50 ms."""
+        kv_dtype, kv_layout = self.store_kv_format()
+        return EngineDefaults(
+            kv_capacity_tokens=self.cost.kv_capacity_tokens(),
+            max_num_seqs=self.preset.max_num_seqs,
+            max_num_batched_tokens=self.preset.max_num_batched_tokens,
+            stream_interval_s=0.05,
+            keeps_kv=False,
+            store_kv_dtype=kv_dtype,
+            store_kv_layout=kv_layout,
+            store_bytes_per_token=PLACEHOLDER_KV.bytes_per_token,
+        )
+
+    def close(self) -> None:
+        """Nothing to release: the emulated runner holds no thread or memory of its own."""
 
     def store_kv_format(self) -> tuple[str, str]:
         """``(kv_dtype, kv_layout)`` of exported KV, as store namespaces carry it.

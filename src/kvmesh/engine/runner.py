@@ -179,12 +179,37 @@ class StepOutput:
     last_logits: dict[str, np.ndarray] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineDefaults:
+    """What an engine built on a runner takes where its options say nothing, and how it stores KV."""
+
+    kv_capacity_tokens: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    stream_interval_s: float
+    """Seconds between stream flushes."""
+    keeps_kv: bool
+    """Whether the device-tier prefix cache keeps the runner's KV (placeholder KV is not kept)."""
+    store_kv_dtype: str
+    store_kv_layout: str
+    """The KV format store namespaces carry: a runner's chunks load only into the same format."""
+    store_bytes_per_token: int
+
+
 class ModelRunner(Protocol):
     """Executes scheduler steps. Implementations must not block the event loop."""
 
     info: RunnerInfo
     kv_ops: KVOps
     """How the engine copies, joins and converts this runner's KV arrays."""
+
+    def engine_defaults(self) -> EngineDefaults:
+        """The engine sizes and the stored KV format that suit this runner."""
+        ...
+
+    def close(self) -> None:
+        """Release what the runner holds (threads, device memory); blocking."""
+        ...
 
     async def execute(self, plan: StepPlan) -> StepOutput:
         """Run one step; on return each sequence's ``num_computed_tokens`` is advanced."""

@@ -44,6 +44,7 @@ from kvmesh.core.tokens import Tokenizer
 from kvmesh.core.torch_kv import PinnedStager, from_store_array, store_dtype_name, to_store_array
 from kvmesh.engine.runner import (
     NUMPY_KV,
+    EngineDefaults,
     KVArray,
     KVLayout,
     KVOps,
@@ -317,6 +318,21 @@ class TorchRunner:
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's cache and random stream."""
         seq.runner_state = None
+
+    def engine_defaults(self) -> EngineDefaults:
+        """32k KV tokens, 16 sequences and 2048 tokens a step; the model's own KV format; every
+        token streamed as it comes."""
+        kv = self.info.kv
+        return EngineDefaults(
+            kv_capacity_tokens=32_768,
+            max_num_seqs=16,
+            max_num_batched_tokens=2048,
+            stream_interval_s=0.0,
+            keeps_kv=True,
+            store_kv_dtype=kv.dtype,
+            store_kv_layout=kv.name(),
+            store_bytes_per_token=kv.bytes_per_token,
+        )
 
     def close(self) -> None:
         """Stop the worker thread (waits for a step in flight)."""
