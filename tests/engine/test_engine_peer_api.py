@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import aiohttp
@@ -39,7 +40,7 @@ async def test_model_info_names_the_model_for_sglang_router(make_engine, http) -
 
 async def test_model_path_is_the_directory_the_engine_loaded(make_engine, http) -> None:
     eng = await make_engine()
-    eng.config.model_path = "/models/tiny"
+    eng.facts = dataclasses.replace(eng.facts, model_path="/models/tiny")
     _, info = await get(http, f"{eng.url}/model_info")
     assert info["model_path"] == "/models/tiny" == info["tokenizer_path"]
     assert info["served_model_name"] == eng.config.served_model_name

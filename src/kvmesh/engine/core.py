@@ -389,6 +389,20 @@ class EngineCore:
             self.stats.num_finished += 1
         req._emit(RequestOutput([], finished=True, finish_reason=reason))
 
+    async def reset_prefix_cache(self) -> int | None:
+        """Drop the device-tier cache (publishing AllBlocksCleared) and the store tiers only this
+        engine reads (RAM, local disk), so it starts cold; a shared tier is the fleet's to empty.
+
+        Returns:
+            Store chunks removed; ``None`` (nothing done) while running requests hold blocks.
+        """
+        if not self.cache.reset():
+            return None
+        self.publish_events()
+        # Writes still being copied or encoded would land after the reset: let them reach the store.
+        await self.store_sync.wait(drain=False)
+        return await self.store.reset_local()
+
     def publish_events(self) -> None:
         """Send the pending events now (the loop does this after every step and when woken idle)."""
         self._publish_events()

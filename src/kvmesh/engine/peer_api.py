@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
+from kvmesh.engine.facts import ServedModel
 from kvmesh.engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,9 +51,6 @@ from kvmesh.engine.protocol import (
 )
 from kvmesh.errors import RequestError
 
-if TYPE_CHECKING:
-    from kvmesh.engine.server import EngineServer
-
 _json = msgspec.json.Encoder()
 CONFIG_FORMATS = ("text", "json")
 EVENT_HWM = 100_000
@@ -64,14 +62,14 @@ def _ok(body: Any) -> web.Response:
 
 
 class PeerApi:
-    """The peer-router routes of one :class:`EngineServer` (see the module docstring).
+    """The peer-router routes of one engine (see the module docstring).
 
     Args:
-        server: the engine whose state the documents describe and whose tokenizer renders prompts.
+        model: the engine whose facts the documents describe and whose tokenizer renders prompts.
     """
 
-    def __init__(self, server: EngineServer) -> None:
-        self.server = server
+    def __init__(self, model: ServedModel) -> None:
+        self.model = model
         self.instance_id = uuid.uuid4().hex
         """Changes with every engine process, so a router can tell a restart from a stall."""
 
@@ -86,53 +84,47 @@ class PeerApi:
 
     # ---------------------------------------------------------------- documents
 
-    @property
-    def model_path(self) -> str:
-        return self.server.config.model_path or self.server.config.served_model_name
-
     def model_info_dict(self) -> dict[str, Any]:
         """The ``/model_info`` document."""
-        server = self.server
-        info = server.core.runner.info
+        facts = self.model.facts
         return {
-            "model": server.config.served_model_name,
-            "max_model_len": info.max_model_len,
-            "vocab_size": info.vocab_size,
-            "block_size": server.core.cache.block_size,
-            "kv_layout": info.kv.name(),
-            "kv_dtype": info.kv.dtype,
-            "model_path": self.model_path,
-            "tokenizer_path": self.model_path,
-            "served_model_name": server.config.served_model_name,
+            "model": facts.served_model_name,
+            "max_model_len": facts.max_model_len,
+            "vocab_size": facts.vocab_size,
+            "block_size": facts.block_size,
+            "kv_layout": facts.kv_layout,
+            "kv_dtype": facts.kv_dtype,
+            "model_path": facts.model_path,
+            "tokenizer_path": facts.model_path,
+            "served_model_name": facts.served_model_name,
             "is_generation": True,
         }
 
     def vllm_config(self) -> dict[str, Any]:
         """The subset of vLLM's ``VllmConfig`` a router reads, in its JSON form."""
-        server = self.server
-        core, config = server.core, server.config
+        facts = self.model.facts
         return {
             "model_config": {
-                "model": config.served_model_name,
-                "served_model_name": config.served_model_name,
-                "tokenizer": self.model_path,
-                "max_model_len": server.max_model_len,
+                "model": facts.served_model_name,
+                "served_model_name": facts.served_model_name,
+                "tokenizer": facts.model_path,
+                "max_model_len": facts.max_model_len,
             },
             "cache_config": {
-                "block_size": core.cache.block_size,
+                "block_size": facts.block_size,
                 "enable_prefix_caching": True,
-                "num_gpu_blocks": core.cache.capacity_blocks,
+                "num_gpu_blocks": facts.num_blocks,
             },
             "scheduler_config": {
-                "max_num_seqs": core.config.max_num_seqs,
-                "max_num_batched_tokens": core.config.max_num_batched_tokens,
+                "max_num_seqs": facts.max_num_seqs,
+                "max_num_batched_tokens": facts.max_num_batched_tokens,
             },
             "kv_events_config": {
-                "enable_kv_cache_events": config.events_endpoint is not None,
-                "publisher": "zmq" if config.events_endpoint is not None else "null",
-                "endpoint": config.events_endpoint,
-                "replay_endpoint": config.replay_endpoint,
-                "topic": config.events_topic or "",
+                "enable_kv_cache_events": facts.events_endpoint is not None,
+                "publisher": "zmq" if facts.events_endpoint is not None else "null",
+                "endpoint": facts.events_endpoint,
+                "replay_endpoint": facts.replay_endpoint,
+                "topic": facts.events_topic or "",
             },
         }
 
@@ -146,32 +138,31 @@ class PeerApi:
             raise RequestError(
                 f"config_format must be 'text' or 'json', got {config_format!r}", param="config_format"
             )
-        server = self.server
-        core = server.core
+        facts = self.model.facts
         vllm_config = self.vllm_config()
         return {
-            **server.info_dict(),
-            "model_path": self.model_path,
-            "tokenizer_path": self.model_path,
-            "served_model_name": server.config.served_model_name,
-            "page_size": core.cache.block_size,
-            "context_length": server.max_model_len,
-            "max_running_requests": core.config.max_num_seqs,
-            "chunked_prefill_size": core.config.max_num_batched_tokens,
-            "max_total_num_tokens": core.cache.capacity_blocks * core.cache.block_size,
+            **facts.info_dict(),
+            "model_path": facts.model_path,
+            "tokenizer_path": facts.model_path,
+            "served_model_name": facts.served_model_name,
+            "page_size": facts.block_size,
+            "context_length": facts.max_model_len,
+            "max_running_requests": facts.max_num_seqs,
+            "chunked_prefill_size": facts.max_num_batched_tokens,
+            "max_total_num_tokens": facts.kv_capacity_tokens,
             "vllm_config": vllm_config if config_format == "json" else _config_text(vllm_config),
         }
 
     def kv_event_sources_dict(self) -> dict[str, Any]:
         """The ``/kv_event_sources`` document: rank ``"0"`` when the engine publishes events."""
-        config = self.server.config
-        if config.events_endpoint is None:
+        facts = self.model.facts
+        if facts.events_endpoint is None:
             return {}
         return {
             "0": {
-                "endpoint": config.events_endpoint,
-                "replay_endpoint": config.replay_endpoint,
-                "topic": config.events_topic or "",
+                "endpoint": facts.events_endpoint,
+                "replay_endpoint": facts.replay_endpoint,
+                "topic": facts.events_topic or "",
                 "publisher": "zmq",
                 "encoding": "msgpack",
                 "schema_version": 1,
@@ -190,7 +181,7 @@ class PeerApi:
 
     async def get_server_info(self, request: web.Request) -> web.StreamResponse:
         body = self.server_info_dict(request.query.get("config_format", "text"))
-        body["model_id"] = self.server.config.served_model_name
+        body["model_id"] = self.model.facts.served_model_name
         body["instance_id"] = self.instance_id
         return _ok(body)
 
@@ -199,14 +190,14 @@ class PeerApi:
 
     async def render_completion(self, request: web.Request) -> web.StreamResponse:
         body: CompletionRequest = decode_body(await request.read(), CompletionRequest)
-        self.server.check_model(body.model)
+        self.model.check_model(body.model)
         prompts = prompt_list(body.prompt)
         if body.stream and len(prompts) > 1:
             raise RequestError("stream=true takes a single prompt", param="prompt")
         # vllm-router renders every request on every worker: tokenizing off the event loop keeps
         # this engine's scheduler stepping meanwhile.
         ids_list = await asyncio.to_thread(self._encode_prompts, prompts)
-        limits = Limits(self.server.max_model_len, self.server.vocab_size, 16)
+        limits = Limits(self.model.facts.max_model_len, self.model.facts.prompt_vocab_size, 16)
         base = f"cmpl-{uuid.uuid4().hex}"
         rendered = []
         for i, ids in enumerate(ids_list):
@@ -216,10 +207,10 @@ class PeerApi:
 
     async def render_chat(self, request: web.Request) -> web.StreamResponse:
         body: ChatCompletionRequest = decode_body(await request.read(), ChatCompletionRequest)
-        self.server.check_model(body.model)
+        self.model.check_model(body.model)
         messages = flatten_messages(body.messages)
-        ids = await asyncio.to_thread(self.server.tokenizer.apply_chat_template, messages)
-        limits = Limits(self.server.max_model_len, self.server.vocab_size, None)
+        ids = await asyncio.to_thread(self.model.tokenizer.apply_chat_template, messages)
+        limits = Limits(self.model.facts.max_model_len, self.model.facts.prompt_vocab_size, None)
         return _ok(self._generate_request(f"chatcmpl-{uuid.uuid4().hex}", ids, body, limits))
 
     # ---------------------------------------------------------------- rendering
@@ -228,9 +219,9 @@ class PeerApi:
         out = []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
-                out.append(self.server.tokenizer.encode(prompt))
+                out.append(self.model.tokenizer.encode(prompt))
             else:
-                check_prompt_ids(prompt, self.server.vocab_size, i)
+                check_prompt_ids(prompt, self.model.facts.prompt_vocab_size, i)
                 out.append(prompt)
         return out
 

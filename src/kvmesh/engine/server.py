@@ -36,6 +36,7 @@ from kvmesh.core.tenancy import Role, resolve_tenant
 from kvmesh.core.tokens import Tokenizer
 from kvmesh.engine.core import EngineCore
 from kvmesh.engine.detokenizer import StopMatcher, StreamDetokenizer
+from kvmesh.engine.facts import EngineFacts
 from kvmesh.engine.info_api import InfoApi
 from kvmesh.engine.metrics import EngineMetrics
 from kvmesh.engine.peer_api import PeerApi
@@ -122,17 +123,40 @@ class EngineServer:
         self.tokenizer = tokenizer
         self.config = config
         info = core.runner.info
-        self.max_model_len = info.max_model_len
-        self.vocab_size = (
-            min(info.vocab_size, tokenizer.vocab_size) if tokenizer.vocab_size else info.vocab_size
+        self.facts = EngineFacts(
+            served_model_name=config.served_model_name,
+            model_path=config.model_path or config.served_model_name,
+            revision=config.revision,
+            block_size=core.cache.block_size,
+            hash_algo=config.hash_algo,
+            events_endpoint=config.events_endpoint,
+            replay_endpoint=config.replay_endpoint,
+            events_topic=config.events_topic,
+            role=config.role,
+            kv_layout=info.kv.name(),
+            kv_dtype=info.kv.dtype,
+            kv_bytes_per_token=info.kv.bytes_per_token,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            prompt_vocab_size=min(info.vocab_size, tokenizer.vocab_size)
+            if tokenizer.vocab_size
+            else info.vocab_size,
+            num_blocks=core.cache.capacity_blocks,
+            max_num_seqs=core.config.max_num_seqs,
+            max_num_batched_tokens=core.config.max_num_batched_tokens,
+            emulate=config.emulate,
+            device=info.device,
+            has_store=core.has_store,
+            extra_info=dict(config.extra_info),
         )
+        self.max_model_len = self.facts.max_model_len
+        self.vocab_size = self.facts.prompt_vocab_size
         self.metrics = EngineMetrics(core, config.served_model_name)
         self.app = web.Application(client_max_size=64 * 2**20, middlewares=[self._errors])
         r = self.app.router
         r.add_post("/v1/completions", self.completions)
         r.add_post("/v1/chat/completions", self.chat_completions)
-        self.info_api = InfoApi(self)
-        self.info_api.register(r)
+        InfoApi(self, self.metrics, core).register(r)
         PeerApi(self).register(r)
         self._runner: web.AppRunner | None = None
         self.host = ""
@@ -456,7 +480,7 @@ class EngineServer:
 
     def info_dict(self) -> dict[str, Any]:
         """The ``/kvmesh/info`` document."""
-        return self.info_api.info_dict()
+        return self.facts.info_dict()
 
 
 def _cache_usage(choices: list[_Choice]) -> CacheUsage:
