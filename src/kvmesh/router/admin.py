@@ -8,36 +8,69 @@ cache verdict with every endpoint's scores). Without a configured token every ro
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 from aiohttp import web
 
+from kvmesh.core.types import PodId
 from kvmesh.errors import ConfigError, RequestError
-from kvmesh.router.endpoints import EndpointConfig, EndpointPool, normalize_url
+from kvmesh.router.cache_report import CacheReporter
+from kvmesh.router.endpoints import Endpoint, EndpointConfig, normalize_url
 from kvmesh.router.index import SHARED_TIER_HOLDER
+from kvmesh.router.ingest import EventApplier
 from kvmesh.router.replies import error_response, json_response
-from kvmesh.router.tokenize import CachedTokenizer
-
-if TYPE_CHECKING:
-    from kvmesh.router.gateway import Gateway
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
+class AdminSubject(Protocol):
+    """What the admin routes read and change of a router."""
+
+    applier: EventApplier | None
+    """The event applier (``None`` until the namespace's model is known)."""
+
+    def endpoints(self) -> list[Endpoint]:
+        """The endpoints in the pool."""
+        ...
+
+    async def add_endpoint(self, config: EndpointConfig) -> Endpoint:
+        """Add (or replace) an endpoint.
+
+        Raises:
+            ConfigError: the endpoint's config is unusable.
+        """
+        ...
+
+    def remove_endpoint(self, pod: PodId) -> bool:
+        """Remove an endpoint; ``False`` when it was not in the pool."""
+        ...
+
+    async def index_report(self) -> dict[str, Any]:
+        """Statistics of the index, event ingestion and prompt tokenization."""
+        ...
+
+
 class AdminApi:
-    """The admin routes of one gateway.
+    """The admin routes of one router.
 
     Args:
-        gateway: the gateway whose pool, event applier and index the routes read and change.
+        router: the endpoints, event applier and index the routes read and change.
+        token: the bearer token the routes require (``None`` or empty: every route answers 403).
+        cache_report: answers ``/admin/usage`` and ``/admin/explain``.
+        explain_history: how many answered requests ``cache_report`` explains.
     """
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def __init__(
+        self, router: AdminSubject, *, token: str | None, cache_report: CacheReporter, explain_history: int
+    ) -> None:
+        self.router = router
+        self.token = token
+        self.cache_report = cache_report
+        self.explain_history = explain_history
 
     def register(self, app: web.Application) -> None:
         """Add the admin routes to ``app``."""
@@ -52,7 +85,7 @@ class AdminApi:
 
     def _guard(self, handler: Handler) -> Handler:
         async def guarded(request: web.Request) -> web.Response:
-            token = self.gateway.config.admin_token
+            token = self.token
             if not token:
                 return error_response(
                     403, "the admin API is disabled (no admin token configured)", kind="forbidden"
@@ -67,15 +100,10 @@ class AdminApi:
 
         return guarded
 
-    def _pool(self) -> EndpointPool:
-        pool = self.gateway.pool
-        assert pool is not None, "admin requests arrived before Gateway.start()"
-        return pool
-
     async def _list_endpoints(self, request: web.Request) -> web.Response:
-        applier = self.gateway.applier
+        applier = self.router.applier
         out = []
-        for e in self._pool().endpoints:
+        for e in self.router.endpoints():
             item = asdict(e.state)
             item.update(
                 events_endpoint=e.events_endpoint,
@@ -93,10 +121,9 @@ class AdminApi:
         except msgspec.ValidationError as exc:
             raise RequestError(f"invalid endpoint: {exc}") from exc
         try:
-            endpoint = await self._pool().add(config)
+            endpoint = await self.router.add_endpoint(config)
         except ConfigError as exc:
             raise RequestError(str(exc)) from exc
-        self.gateway.maybe_start_intake()
         body = {
             "added": endpoint.state.pod,
             "healthy": endpoint.state.healthy,
@@ -115,7 +142,7 @@ class AdminApi:
             pod = normalize_url(url)
         except ConfigError as exc:
             raise RequestError(str(exc), param="url") from exc
-        if not self._pool().remove(pod):
+        if not self.router.remove_endpoint(pod):
             raise RequestError(f"no endpoint {pod}", status=404, param="url")
         return json_response({"removed": pod})
 
@@ -123,7 +150,7 @@ class AdminApi:
         body = await _json_body(request)
         if not isinstance(body, dict) or not body:
             raise RequestError('give {"pod": url}, {"shared": true} or {"tenant": ..., "lora": ...}')
-        applier = self.gateway.applier
+        applier = self.router.applier
         if applier is None:
             return json_response({"flushed": 0})
         if "shared" in body:
@@ -150,39 +177,24 @@ class AdminApi:
         return json_response({"flushed": flushed})
 
     async def _index_stats(self, request: web.Request) -> web.Response:
-        gw = self.gateway
-        index = gw.index
-        stats = await asyncio.to_thread(index.stats) if gw.index_is_remote else index.stats()
-        body: dict[str, Any] = {"index": asdict(stats)}
-        applier = gw.applier
-        if applier is not None:
-            body["ingest"] = asdict(applier.stats)
-            body["model"] = applier.model
-            body["block_size"] = applier.block_size
-            body["pods"] = applier.pod_stats()
-        if gw.intake is not None:
-            body["subscriber"] = asdict(gw.intake.subscriber.stats)
-        if isinstance(gw.tokenizer, CachedTokenizer):
-            body["tokenizer"] = gw.tokenizer.stats()
-        return json_response(body)
+        return json_response(await self.router.index_report())
 
     async def _usage(self, request: web.Request) -> web.Response:
-        ledger = self.gateway.cache_report.ledger
+        ledger = self.cache_report.ledger
         return json_response({"tenants": ledger.snapshot(), "max_tenants": ledger.max_tenants})
 
     async def _recent(self, request: web.Request) -> web.Response:
         raw = request.query.get("limit", "50")
         if not raw.isdigit():
             raise RequestError("'limit' must be a non-negative integer", param="limit")
-        return json_response({"requests": self.gateway.cache_report.recent(int(raw))})
+        return json_response({"requests": self.cache_report.recent(int(raw))})
 
     async def _explain(self, request: web.Request) -> web.Response:
         request_id = request.match_info["request_id"]
-        entry = self.gateway.cache_report.explain(request_id)
+        entry = self.cache_report.explain(request_id)
         if entry is None:
             raise RequestError(
-                f"no request {request_id!r} among the last "
-                f"{self.gateway.config.cache_report.explain_history} answered",
+                f"no request {request_id!r} among the last {self.explain_history} answered",
                 status=404,
                 param="request_id",
             )

@@ -25,6 +25,8 @@ import asyncio
 import logging
 import random
 import time
+from dataclasses import asdict
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -42,7 +44,7 @@ from kvmesh.router.cache_memory import RememberingIndex, prompt_texts
 from kvmesh.router.cache_report import CacheReasonCollector, CacheReporter
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.discovery import DnsDiscovery
-from kvmesh.router.endpoints import PROBE_CONNECTIONS_PER_ENDPOINT, EndpointPool
+from kvmesh.router.endpoints import PROBE_CONNECTIONS_PER_ENDPOINT, Endpoint, EndpointConfig, EndpointPool
 from kvmesh.router.flow_control import TicketState
 from kvmesh.router.flow_gate import QUEUE_WAIT_HEADER, FlowGate, parse_flow_headers, wait_ms
 from kvmesh.router.index import BlockIndex, InMemoryIndex, InstrumentedIndex
@@ -192,7 +194,12 @@ class Gateway:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
-        AdminApi(self).register(app)
+        AdminApi(
+            self,
+            token=self.config.admin_token,
+            cache_report=self.cache_report,
+            explain_history=self.config.cache_report.explain_history,
+        ).register(app)
         PrewarmApi(self).register(app)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
@@ -319,6 +326,46 @@ class Gateway:
             self.intake.add_pod(pod, endpoint, replay)
         self._pending_events.clear()
         self.intake.start()
+
+    # ------------------------------------------------------------------ what the admin API sees
+
+    def endpoints(self) -> list[Endpoint]:
+        """The pool's endpoints (none before :meth:`start`)."""
+        return [] if self.pool is None else list(self.pool.endpoints)
+
+    async def add_endpoint(self, config: EndpointConfig) -> Endpoint:
+        """Add (or replace) an endpoint at run time; its model may let event intake start.
+
+        Raises:
+            ConfigError: the endpoint's config is unusable.
+        """
+        assert self.pool is not None, "endpoints are added after Gateway.start()"
+        endpoint = await self.pool.add(config)
+        self.maybe_start_intake()
+        return endpoint
+
+    def remove_endpoint(self, pod: PodId) -> bool:
+        """Remove an endpoint; ``False`` when it was not in the pool."""
+        return self.pool is not None and self.pool.remove(pod)
+
+    async def index_report(self) -> dict[str, Any]:
+        """Statistics of the index, the event applier and subscriber, and the prompt tokenizer."""
+        index = self.index
+        stats = await asyncio.to_thread(index.stats) if self.index_is_remote else index.stats()
+        body: dict[str, Any] = {"index": asdict(stats)}
+        applier = self.applier
+        if applier is not None:
+            body.update(
+                ingest=asdict(applier.stats),
+                model=applier.model,
+                block_size=applier.block_size,
+                pods=applier.pod_stats(),
+            )
+        if self.intake is not None:
+            body["subscriber"] = asdict(self.intake.subscriber.stats)
+        if isinstance(self.tokenizer, CachedTokenizer):
+            body["tokenizer"] = self.tokenizer.stats()
+        return body
 
     # ------------------------------------------------------------------ OpenAI routes
 
