@@ -1,3 +1,4 @@
+# Over 450 lines: the publisher and the subscriber speak one wire protocol (topic, sequence numbers, replay) and are read together; apart, each would restate the other's framing.
 """ZMQ transport for KV events, wire-compatible with vLLM's publisher and subscribers.
 
 Publisher (sockets bound by the publisher; frames as the peer sees them)::

@@ -1,3 +1,4 @@
+# Over 450 lines: the two generation routes share one request path (validation, admission, streaming, usage, P/D transfer fields); the describing routes live in info_api and peer_api.
 """OpenAI-compatible HTTP server of one engine (aiohttp).
 
 Routes::

@@ -1,3 +1,4 @@
+# Over 450 lines: one runner owns the model, its worker thread and every sequence's KV; prefill, decode and KV export all work on that state.
 """TorchRunner: a ModelRunner that computes real KV with a Hugging Face causal LM (CPU or CUDA).
 
 Each sequence owns a transformers ``DynamicCache`` (in ``Sequence.runner_state``). A sequence's first

@@ -1,3 +1,4 @@
+# Over 450 lines: priority bands, tenants' turns, deadlines and shedding act on one ticket order, and the saturation test beside them is the policy that releases tickets.
 """Flow control: requests wait in the router while every endpoint is saturated.
 
 The core is single-threaded and clock-free: every call takes ``now``, so the live gateway

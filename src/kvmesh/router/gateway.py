@@ -1,3 +1,4 @@
+# Over 450 lines: wiring, startup, shutdown and the per-request path share the components the gateway owns; parsing, proxying, admin, prewarm and the P/D leg are modules of their own.
 """The OpenAI-compatible gateway: the aiohttp app that wires parsing, scheduling and proxying.
 
 Per request::

@@ -1,3 +1,4 @@
+# Over 450 lines: FleetSimulation is the one loop that ties arrivals, routing, replicas, tiers and the network together in virtual time; its handlers share that loop's state.
 """A simulated fleet: replicas, lower tiers and the router, driven by a workload in virtual time.
 
     workload ──► arrivals ──► SimRouter.pick (real scheduler + index) ──► SimReplica.submit
