@@ -19,7 +19,6 @@ admin API stay.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import socket
@@ -27,6 +26,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
+from kvmesh.core.tasks import cancel_and_wait
 from kvmesh.core.types import PodId
 from kvmesh.errors import ConfigError
 from kvmesh.router.endpoints import EndpointConfig, EndpointPool, normalize_url
@@ -162,9 +162,5 @@ class DnsDiscovery:
 
     async def aclose(self) -> None:
         """Stop following."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks)
         self._tasks = []

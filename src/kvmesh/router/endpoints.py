@@ -19,7 +19,6 @@ scheduler the live records without copying.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 
+from kvmesh.core.tasks import cancel_and_wait
 from kvmesh.core.tenancy import Role
 from kvmesh.core.types import PodId
 from kvmesh.errors import ConfigError
@@ -284,11 +284,7 @@ class EndpointPool:
 
     async def aclose(self) -> None:
         """Stop the background loops."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
 
     async def _discover(self, pod: PodId) -> tuple[EngineInfo | None, bool]:

@@ -18,13 +18,13 @@ control is on, ``x-kvmesh-queue-wait-ms`` (time spent queued).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
 
+from kvmesh.core.tasks import cancel_and_wait
 from kvmesh.errors import RequestError, TierUnavailableError
 from kvmesh.router.flow_control import (
     FlowControlConfig,
@@ -139,11 +139,8 @@ class FlowGate:
     async def aclose(self) -> None:
         """Stop the periodic check; queued requests are let go with ``REMOVED`` tickets."""
         self.closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait([self._task])
+        self._task = None
         now = self.clock()
         for ticket in list(self.controller.queued()):
             self.controller.remove(ticket, now)

@@ -11,13 +11,13 @@ history first, which is how a restarted router rebuilds its index.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 
 from kvmesh.core.event_transport import ZmqEventSubscriber
 from kvmesh.core.events import KVEventBatch
+from kvmesh.core.tasks import cancel_and_wait
 from kvmesh.core.types import PodId
 from kvmesh.errors import TierUnavailableError
 from kvmesh.router.ingest import EventApplier
@@ -78,11 +78,8 @@ class EventIntake:
     async def aclose(self) -> None:
         """Stop receiving and close every socket."""
         await self.subscriber.aclose()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait([self._task])
+        self._task = None
 
     def _on_batch(self, pod: PodId, seq: int, batch: KVEventBatch) -> None:
         try:
