@@ -10,6 +10,7 @@ each run instead shifts its token ids (see :func:`compare_policies`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
@@ -104,18 +105,9 @@ async def compare_policies(
                 run_workload_k = shifted(workload, k * 7919)
         if fleet.router is None or fleet.router_policy != policy or policy in scheduler_configs:
             await fleet.start_router(policy, scheduler_configs.get(policy))
-        opts = RunOptions(
-            base_url=fleet.url,
-            model=options.model,
-            api=options.api,
-            concurrency=options.concurrency,
-            sample_interval_s=options.sample_interval_s,
-            stream=options.stream,
-            ignore_eos=options.ignore_eos,
-            request_timeout_s=options.request_timeout_s,
-            headers=dict(options.headers),
-            progress=options.progress,
-            label=policy,
+        # The fleet's engines are sampled by run_on_fleet: no metrics URL carries over.
+        opts = dataclasses.replace(
+            options, base_url=fleet.url, metrics_urls=[], headers=dict(options.headers), label=policy
         )
         runs[policy] = await run_on_fleet(fleet, run_workload_k, opts)
         fleet.check_alive()
