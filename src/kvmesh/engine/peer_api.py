@@ -42,9 +42,9 @@ from kvmesh.engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Limits,
-    check_prompt_ids,
     decode_body,
     flatten_messages,
+    prompt_ids,
     prompt_list,
     sampling_params,
     stop_strings,
@@ -196,7 +196,9 @@ class PeerApi:
             raise RequestError("stream=true takes a single prompt", param="prompt")
         # vllm-router renders every request on every worker: tokenizing off the event loop keeps
         # this engine's scheduler stepping meanwhile.
-        ids_list = await asyncio.to_thread(self._encode_prompts, prompts)
+        ids_list = await asyncio.to_thread(
+            prompt_ids, prompts, self.model.tokenizer, self.model.facts.prompt_vocab_size
+        )
         limits = Limits(self.model.facts.max_model_len, self.model.facts.prompt_vocab_size, 16)
         base = f"cmpl-{uuid.uuid4().hex}"
         rendered = []
@@ -214,16 +216,6 @@ class PeerApi:
         return _ok(self._generate_request(f"chatcmpl-{uuid.uuid4().hex}", ids, body, limits))
 
     # ---------------------------------------------------------------- rendering
-
-    def _encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
-        out = []
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                out.append(self.model.tokenizer.encode(prompt))
-            else:
-                check_prompt_ids(prompt, self.model.facts.prompt_vocab_size, i)
-                out.append(prompt)
-        return out
 
     def _generate_request(
         self,

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from kvmesh.core.tenancy import Role
+from kvmesh.core.tokens import Tokenizer
 from kvmesh.engine.runner import SamplingParams
 from kvmesh.errors import RequestError
 
@@ -118,6 +119,22 @@ def prompt_list(prompt: Any) -> list[str | list[int]]:
             out.append([int(t) for t in p])
         else:
             raise RequestError(f"prompt[{i}] must be a non-empty string or list of token ids", param="prompt")
+    return out
+
+
+def prompt_ids(prompts: list[str | list[int]], tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:
+    """Each prompt's token ids: texts encoded, id lists checked against ``vocab_size``.
+
+    Raises:
+        RequestError: an id outside the vocabulary.
+    """
+    out = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            out.append(tokenizer.encode(prompt))
+        else:
+            check_prompt_ids(prompt, vocab_size, i)
+            out.append(prompt)
     return out
 
 

@@ -46,9 +46,9 @@ from kvmesh.engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Limits,
-    check_prompt_ids,
     decode_body,
     flatten_messages,
+    prompt_ids,
     prompt_list,
     request_role,
     sampling_params,
@@ -231,14 +231,7 @@ class EngineServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body: CompletionRequest = decode_body(await request.read(), CompletionRequest)
         self.check_model(body.model)
-        prompts = prompt_list(body.prompt)
-        ids_list = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                ids_list.append(self.tokenizer.encode(p))
-            else:
-                check_prompt_ids(p, self.vocab_size, i)
-                ids_list.append(p)
+        ids_list = prompt_ids(prompt_list(body.prompt), self.tokenizer, self.vocab_size)
         if body.stream and len(ids_list) > 1:
             raise RequestError("stream=true takes a single prompt", param="prompt")
         return await self._generate(request, body, ids_list, chat=False)
