@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
@@ -36,6 +36,21 @@ class PromptTokenizer(Protocol):
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
     def apply_chat_template(self, messages: Any, *, add_generation_prompt: bool = True) -> list[int]: ...
+
+
+@runtime_checkable
+class FastPromptTokenizer(PromptTokenizer, Protocol):
+    """A tokenizer that also offers its fast backend and renders a chat to text
+    (:class:`kvmesh.core.tokens.Tokenizer` does)."""
+
+    @property
+    def fast_backend(self) -> Any | None:
+        """The ``tokenizers`` object behind it, where it has one."""
+        ...
+
+    def render_chat(self, messages: Any, *, add_generation_prompt: bool = True) -> str:
+        """The chat template's text for ``messages``."""
+        ...
 
 
 class CachedTokenizer:
@@ -63,7 +78,8 @@ class CachedTokenizer:
                 f"cache sizes must be >= 0, got {cache_entries} entries, {cache_max_chars} chars"
             )
         self.inner = tokenizer
-        self._backend = getattr(tokenizer, "fast_backend", None)
+        self._fast = tokenizer if isinstance(tokenizer, FastPromptTokenizer) else None
+        self._backend = None if self._fast is None else self._fast.fast_backend
         self.prefixes: PrefixReuse | None = (
             PrefixReuse(self._backend)
             if prefix_reuse and self._backend is not None and PrefixReuse.supports(self._backend)
@@ -95,10 +111,10 @@ class CachedTokenizer:
         size = len(raw) if raw else self.cache_max_chars + 1
         ids = self._lookup(key, size)
         if ids is None:
-            render = getattr(self.inner, "render_chat", None)
-            if self._backend is not None and render is not None:
+            if self._fast is not None and self._backend is not None:
                 # What Tokenizer.apply_chat_template does, with the fast encode.
-                ids = self._encode(render(messages, add_generation_prompt=add_generation_prompt), False)
+                text = self._fast.render_chat(messages, add_generation_prompt=add_generation_prompt)
+                ids = self._encode(text, False)
             else:
                 ids = self.inner.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
             self._store(key, size, ids)
