@@ -54,6 +54,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default="auto",
         help="event loop (auto: uvloop where installed, else asyncio's)",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="gateway processes sharing the port (SO_REUSEPORT), one per core to use (default 1)",
+    )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_cmd_router)
@@ -143,6 +150,45 @@ def _cmd_prewarm(args: argparse.Namespace) -> int:
 
 def _cmd_router(args: argparse.Namespace) -> int:
     import yaml
+
+    if args.workers < 1:
+        print(f"kvmesh router: --workers must be >= 1, got {args.workers}", file=sys.stderr)
+        return 2
+    try:
+        config = _config_from_args(args)
+        if args.workers > 1:
+            new_event_loop(args.loop)  # an unavailable --loop is reported once, here
+    except (KVMeshError, yaml.YAMLError) as exc:
+        print(f"kvmesh router: {exc}", file=sys.stderr)
+        return 2
+    if not config.endpoints and not config.discovery:
+        print(
+            "kvmesh router: no endpoints (give --endpoints, or endpoints: or discovery: in --config)",
+            file=sys.stderr,
+        )
+        return 2
+    followed = "".join(f", following {d.service}" for d in config.discovery)
+    if args.workers == 1:
+        return _serve(args, reuse_port=False, banner=f"{len(config.endpoints)} endpoints{followed}")
+    import functools
+
+    from kvmesh.router.workers import WorkerSupervisor
+
+    print(
+        f"kvmesh router on http://{config.host}:{config.port} ({args.workers} workers) → {len(config.endpoints)} endpoints{followed}",
+        file=sys.stderr,
+    )
+    return WorkerSupervisor(functools.partial(_serve_worker, args), args.workers).run()
+
+
+def _serve_worker(args: argparse.Namespace, index: int) -> None:
+    """One of ``--workers N`` (in a spawned process): a whole gateway on the shared port."""
+    sys.exit(_serve(args, reuse_port=True, banner=None))
+
+
+def _serve(args: argparse.Namespace, *, reuse_port: bool, banner: str | None) -> int:
+    """Build the gateway from ``args`` and serve it until SIGINT/SIGTERM."""
+    import yaml
     from aiohttp import web
 
     from kvmesh.router.gateway import Gateway
@@ -153,12 +199,6 @@ def _cmd_router(args: argparse.Namespace) -> int:
     )
     try:
         config = _config_from_args(args)
-        if not config.endpoints and not config.discovery:
-            print(
-                "kvmesh router: no endpoints (give --endpoints, or endpoints: or discovery: in --config)",
-                file=sys.stderr,
-            )
-            return 2
         tokenizer: PromptTokenizer | None = None
         if config.tokenizer:
             from kvmesh.core.tokens import Tokenizer
@@ -169,12 +209,17 @@ def _cmd_router(args: argparse.Namespace) -> int:
     except (KVMeshError, yaml.YAMLError) as exc:
         print(f"kvmesh router: {exc}", file=sys.stderr)
         return 2
-    followed = "".join(f", following {d.service}" for d in config.discovery)
-    print(
-        f"kvmesh router on http://{config.host}:{config.port} → {len(config.endpoints)} endpoints{followed}",
-        file=sys.stderr,
+    if banner is not None:
+        print(f"kvmesh router on http://{config.host}:{config.port} → {banner}", file=sys.stderr)
+    web.run_app(
+        gateway.app,
+        host=config.host,
+        port=config.port,
+        print=None,
+        access_log=None,
+        loop=loop,
+        reuse_port=reuse_port or None,
     )
-    web.run_app(gateway.app, host=config.host, port=config.port, print=None, access_log=None, loop=loop)
     return 0
 
 

@@ -1,0 +1,136 @@
+"""``kvmesh router --workers N``: N gateway processes accepting on one port (``SO_REUSEPORT``).
+
+One Python process tops out at one core, whatever the event loop; the kernel spreads new
+connections over every socket bound with ``SO_REUSEPORT`` to the same address, so N processes
+serve N cores with no proxy in front::
+
+    supervisor ──spawn──► worker 0: Gateway (own event intake, index, scheduler) ─┐
+               ──spawn──► worker 1: Gateway (own event intake, index, scheduler) ─┼─ listen :port
+               ──spawn──► ...                                                    ─┘   (SO_REUSEPORT)
+
+Each worker subscribes to every engine's event stream itself (ZMQ PUB fans out), so each holds the
+whole index with its replay on reconnect and its seq-reset fencing; with ``--redis-index`` they
+share one Redis/Valkey index instead. The supervisor starts a worker again when it exits on its
+own (not faster than once per :data:`RESPAWN_BACKOFF_S`) and stops them all on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from types import FrameType
+
+RESPAWN_BACKOFF_S = 1.0
+"""A worker that exits is started again no sooner than this after its previous start."""
+
+STOP_TIMEOUT_S = 10.0
+"""How long stopping waits for a worker to exit before killing it."""
+
+_POLL_S = 0.2
+
+
+@dataclass
+class _Slot:
+    index: int
+    process: BaseProcess
+    started_at: float
+    num_restarts: int = field(default=0)
+
+
+class WorkerSupervisor:
+    """Runs ``target(index)`` in ``num_workers`` spawned processes and keeps them running.
+
+    Args:
+        target: the worker's body, a picklable module-level function; it gets the worker's index.
+        num_workers: how many processes.
+
+    Raises:
+        ValueError: ``num_workers`` is below 1.
+    """
+
+    def __init__(self, target: Callable[[int], None], num_workers: int) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.target = target
+        self.num_workers = num_workers
+        # Forking a process that already imported the tokenizer's threads and uvloop is unsafe.
+        self._ctx = multiprocessing.get_context("spawn")
+        self._slots: list[_Slot] = []
+        self._stopping = False
+
+    def _spawn(self, index: int) -> BaseProcess:
+        process = self._ctx.Process(target=self.target, args=(index,), name=f"kvmesh-router-{index}")
+        process.start()
+        return process
+
+    def start(self) -> None:
+        """Start every worker."""
+        self._slots = [_Slot(i, self._spawn(i), time.monotonic()) for i in range(self.num_workers)]
+
+    @property
+    def pids(self) -> list[int | None]:
+        """The workers' process ids, by index."""
+        return [slot.process.pid for slot in self._slots]
+
+    def check(self) -> int:
+        """Start again each worker that has exited (backoff permitting).
+
+        Returns:
+            How many workers were started again.
+        """
+        restarted = 0
+        now = time.monotonic()
+        for slot in self._slots:
+            if slot.process.is_alive() or self._stopping:
+                continue
+            if now - slot.started_at < RESPAWN_BACKOFF_S:
+                continue
+            print(
+                f"kvmesh router: worker {slot.index} exited with {slot.process.exitcode}; starting it again",
+                file=sys.stderr,
+            )
+            slot.process = self._spawn(slot.index)
+            slot.started_at = now
+            slot.num_restarts += 1
+            restarted += 1
+        return restarted
+
+    def stop(self) -> None:
+        """Ask every worker to stop (SIGTERM: the gateway shuts down cleanly), then wait."""
+        self._stopping = True
+        for slot in self._slots:
+            if slot.process.is_alive():
+                slot.process.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for slot in self._slots:
+            slot.process.join(max(0.0, deadline - time.monotonic()))
+            if slot.process.is_alive():
+                slot.process.kill()
+                slot.process.join()
+
+    def run(self) -> int:
+        """Start the workers, keep them running until SIGINT/SIGTERM, then stop them.
+
+        Returns:
+            0 (an exit code).
+        """
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            self._stopping = True
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.start()
+            while not self._stopping:
+                time.sleep(_POLL_S)
+                self.check()
+        finally:
+            self.stop()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        return 0

@@ -1,0 +1,142 @@
+"""``kvmesh router --workers N``: processes sharing one port, each with the whole index, restarted one by one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from router_fakes import BLOCK, MODEL, FakeEngine, free_port
+
+from kvmesh.router import workers as workers_mod
+from kvmesh.router.workers import WorkerSupervisor
+
+PROMPT = list(range(1000, 1000 + 8 * BLOCK))
+
+
+def _exit_at_once(index: int) -> None:
+    sys.exit(3)
+
+
+def _sleep_forever(index: int) -> None:
+    time.sleep(3600)
+
+
+def test_supervisor_rejects_no_workers() -> None:
+    with pytest.raises(ValueError, match="got 0"):
+        WorkerSupervisor(_sleep_forever, 0)
+
+
+def test_supervisor_starts_an_exited_worker_again_after_the_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(workers_mod, "RESPAWN_BACKOFF_S", 0.0)
+    supervisor = WorkerSupervisor(_exit_at_once, 2)
+    supervisor.start()
+    try:
+        first = supervisor.pids
+        for slot in supervisor._slots:
+            slot.process.join(30)
+        assert [slot.process.exitcode for slot in supervisor._slots] == [3, 3]
+        assert supervisor.check() == 2
+        assert all(p is not None for p in supervisor.pids) and supervisor.pids != first
+    finally:
+        supervisor.stop()
+
+
+def test_supervisor_stop_ends_running_workers() -> None:
+    supervisor = WorkerSupervisor(_sleep_forever, 2)
+    supervisor.start()
+    supervisor.stop()
+    assert all(not slot.process.is_alive() for slot in supervisor._slots)
+    assert supervisor.check() == 0, "a stopping supervisor starts nothing"
+
+
+def _worker_pids(parent: int) -> list[int]:
+    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    return sorted(int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+
+
+def _num_listeners(port: int) -> int:
+    hex_port = f":{port:04X}"
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for row in rows if row.split()[1].endswith(hex_port) and row.split()[3] == "0A")
+
+
+async def _wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+async def _served_by(url: str) -> str:
+    # A new connection per request: the kernel picks the worker per connection.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3}
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            return str((await resp.json())["choices"][0]["text"])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="SO_REUSEPORT spreading and /proc are Linux's")
+async def test_workers_share_the_port_and_each_restarted_worker_rebuilds_the_index(engines) -> None:  # type: ignore[no-untyped-def]
+    fleet: list[FakeEngine] = await engines(2)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = await asyncio.create_subprocess_exec(
+        *[sys.executable, "-m", "kvmesh", "router", "--endpoints", ",".join(e.url for e in fleet),
+         "--policy", "precise", "--port", str(port), "--model", MODEL, "--workers", "2",
+         "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )  # fmt: skip
+    try:
+        await _wait_for(lambda: _num_listeners(port) == 2, 120, "two workers listening")
+        first = await _served_by(url)
+        holder = next(e for e in fleet if e.name == first)
+        await _wait_for(lambda: len(holder.cache) == len(PROMPT) // BLOCK, 10, "the engine's cache")
+        await asyncio.sleep(0.5)  # the events reach both workers' subscribers
+
+        for round_ in range(2):
+            # Stop one worker: until its successor listens, the other serves every connection.
+            victim = _worker_pids(proc.pid)[0]
+            os.kill(victim, signal.SIGTERM)
+            await _wait_for(
+                lambda v=victim: v not in _worker_pids(proc.pid),  # type: ignore[misc]
+                30,
+                "the worker to exit",
+            )
+            assert [await _served_by(url) for _ in range(6)] == [first] * 6, f"round {round_}"
+            # Its successor learns the engine's blocks from the replay socket, not from new events.
+            await _wait_for(lambda: _num_listeners(port) == 2, 120, "the restarted worker listening")
+            await asyncio.sleep(1.0)
+        assert len(_worker_pids(proc.pid)) == 2
+        # Both original workers are gone: every answer now comes from a worker restarted after the
+        # prompt's events were published.
+        assert [await _served_by(url) for _ in range(8)] == [first] * 8
+        assert sum(len(e.received) for e in fleet if e is not holder) == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            _, stderr = await asyncio.wait_for(proc.communicate(), 30)
+        except TimeoutError:
+            proc.kill()
+            _, stderr = await proc.communicate()
+    assert proc.returncode == 0, stderr.decode()
+    assert b"Traceback" not in stderr, stderr.decode()
+
+
+def test_workers_flag_rejects_zero() -> None:
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvmesh", "router", "--endpoints", "http://127.0.0.1:1", "--workers", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2
+    assert "--workers must be >= 1" in bad.stderr
