@@ -13,6 +13,7 @@ from kvmesh.core.types import PodId
 from kvmesh.router.index import InMemoryIndex
 from kvmesh.router.ingest import EventApplier
 from kvmesh.router.intake import EventIntake
+from kvmesh.router.prefix import match_prefix
 
 POD = PodId("http://127.0.0.1:9")
 
@@ -24,7 +25,8 @@ def test_frames_are_deterministic_per_seed():
 
 
 async def test_intake_survives_fuzzed_frames_and_still_applies_a_valid_batch():
-    applier = EventApplier(InMemoryIndex(), model="m", block_size=16, algo=HashAlgo.XXH3)
+    index = InMemoryIndex()
+    applier = EventApplier(index, model="m", block_size=16, algo=HashAlgo.XXH3)
     intake = EventIntake(applier)
     intake.add_pod(POD, "tcp://127.0.0.1:9")
     sub = intake.subscriber
@@ -34,10 +36,15 @@ async def test_intake_survives_fuzzed_frames_and_still_applies_a_valid_batch():
         assert sub.stats.num_malformed > 1000
         assert sub.stats.num_resets > 0, "the generator must also send seqs that go backwards"
         assert applier.stats.num_bad_events > 0
-        valid = encode_batch([BlockStored([1, 2], None, list(range(32)), 16)])
+        tokens = list(range(200, 232))
+        assert POD not in match_prefix(index, applier.hasher(), tokens).pods
+        valid = encode_batch([BlockStored([0xFEED01, 0xFEED02], None, tokens, 16)])
         last = sub.last_seq(POD) or 0
+        blocks = applier.num_blocks(POD)
         await sub.handle_frames(POD, [b"kv-events", (last + 1).to_bytes(8, "big"), valid])
         assert sub.last_seq(POD) == last + 1
+        assert applier.num_blocks(POD) == blocks + 2
+        assert match_prefix(index, applier.hasher(), tokens).pods[POD].num_blocks == 2
     finally:
         await intake.aclose()
 
