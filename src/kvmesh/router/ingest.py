@@ -290,7 +290,9 @@ class EventApplier:
                 self._add_shared(origin, hashes)
                 return
             pod = SHARED_TIER_HOLDER
-        blocks = self._pods.get(pod) or self._pod_blocks(pod)
+        blocks = self._pods.get(pod)
+        if blocks is None:
+            blocks = self._pod_blocks(pod)
         if not ev.token_ids:
             self._apply_touched(pod, blocks, blocks.add_media(hashes, bits), MediumSet(bits))
             return
