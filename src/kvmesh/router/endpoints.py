@@ -10,7 +10,10 @@ background loops then run per pool:
   With the defaults (0.5 s, 0.5 s, 2) a dead endpoint leaves within about 1.5 s.
 * load: ``GET /metrics`` every ``metrics_interval`` s, reading vLLM's gauges
   ``vllm:num_requests_waiting``, ``vllm:num_requests_running`` and ``vllm:kv_cache_usage_perc``
-  (``vllm:gpu_cache_usage_perc`` on older vLLM), summed over label sets.
+  (``vllm:gpu_cache_usage_perc`` on older vLLM), summed over label sets, and LoRA adapters
+  (``vllm:lora_requests_info``; see :mod:`kvmesh.router.lora_state`). An endpoint that reports
+  adapters has its ``GET /v1/models`` read when it runs one not listed yet, and every
+  ``MODELS_REFRESH_S`` s, for the adapters it can serve.
 
 The pool mutates endpoint state only on the event loop; :meth:`EndpointPool.states` hands the
 scheduler the live records without copying.
@@ -21,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -32,6 +37,7 @@ from kvmesh.core.tasks import cancel_and_wait
 from kvmesh.core.tenancy import Role
 from kvmesh.core.types import PodId
 from kvmesh.errors import ConfigError
+from kvmesh.router.lora_state import LoraState, adapters_of_models, parse_lora_info
 from kvmesh.router.types import EndpointState
 
 logger = logging.getLogger(__name__)
@@ -44,6 +50,10 @@ back), since timeouts close the connection of a request that hangs."""
 _WAITING = ("vllm:num_requests_waiting",)
 _RUNNING = ("vllm:num_requests_running",)
 _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+MODELS_REFRESH_S = 30.0
+"""Seconds between ``/v1/models`` reads of an endpoint that serves LoRA adapters (adapters can be
+loaded and unloaded at run time)."""
 
 
 class EndpointConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
@@ -87,6 +97,9 @@ class Endpoint:
     replay_endpoint: str | None = None
     consecutive_failures: int = 0
     last_error: str = ""
+    models: list[dict[str, Any]] = field(default_factory=list)
+    """The ``data`` entries of its last ``/v1/models`` answer (read only for LoRA endpoints)."""
+    models_read_at: float = -math.inf
 
 
 def normalize_url(url: str) -> PodId:
@@ -378,6 +391,30 @@ class EndpointPool:
             if name in gauges:
                 state.kv_cache_usage = min(max(gauges[name], 0.0), 1.0)
                 break
+        lora = parse_lora_info(text)
+        if lora is not None:
+            await self._update_lora(endpoint, lora)
+
+    async def _update_lora(self, endpoint: Endpoint, lora: LoraState) -> None:
+        """Record the endpoint's running adapters, reading ``/v1/models`` for the servable ones
+        when it runs one not listed or the list is old."""
+        previous = endpoint.state.lora
+        servable = frozenset() if previous is None else previous.servable
+        now = time.monotonic()
+        if not lora.active <= servable or now - endpoint.models_read_at >= MODELS_REFRESH_S:
+            endpoint.models_read_at = now
+            timeout = aiohttp.ClientTimeout(total=max(self.health_timeout, 1.0))
+            try:
+                async with self.session.get(f"{endpoint.state.pod}/v1/models", timeout=timeout) as resp:
+                    document = await resp.json(content_type=None) if resp.status == 200 else None
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                document = None
+            if document is not None:
+                servable = adapters_of_models(document)
+                data = document.get("data") if isinstance(document, dict) else None
+                endpoint.models = [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+        lora.servable = servable
+        endpoint.state.lora = lora
 
     async def _metrics_loop(self) -> None:
         while True:

@@ -26,7 +26,7 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import aiohttp
@@ -52,6 +52,7 @@ from kvmesh.router.index import BlockIndex, InMemoryIndex, InstrumentedIndex
 from kvmesh.router.ingest import EventApplier
 from kvmesh.router.intake import EventIntake
 from kvmesh.router.keymemo import BlockKeyMemo
+from kvmesh.router.lora_state import merged_models, requested_adapter
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.pins import PinnedBlocks
 from kvmesh.router.plugins.registry import prefill_ledger_of
@@ -398,6 +399,12 @@ class Gateway:
             self.metrics.errors.labels("bad_request").inc()
             return error_response(exc.status, exc.message, param=exc.param)
         routing = parsed.routing
+        if self.pool is not None and (
+            adapter := requested_adapter(
+                parsed.body.get("model"), routing.namespace.model, self.pool.states()
+            )
+        ):
+            routing.namespace = replace(routing.namespace, lora=adapter)
         if parsed.pin_ttl_s is not None:
             request[_PIN_KEY] = (routing, parsed.pin_ttl_s)
         if self.index_is_remote:
@@ -489,6 +496,10 @@ class Gateway:
 
     async def _models(self, request: web.Request) -> web.Response:
         assert self._session is not None and self.pool is not None
+        # Endpoints serving LoRA adapters each list their own; the router lists them all.
+        listed = merged_models(e.models for e in self.pool.endpoints if e.state.healthy and e.models)
+        if listed:
+            return json_response({"object": "list", "data": listed})
         for state in self.pool.states():
             if not state.healthy:
                 continue

@@ -15,6 +15,7 @@ import numpy as np
 from kvmesh.core.hashing import Namespace
 from kvmesh.core.tenancy import Role
 from kvmesh.core.types import Medium, PodId
+from kvmesh.router.lora_state import LoraState
 
 PromptTokens: TypeAlias = Sequence[int] | np.ndarray
 """Prompt token ids: the gateway's u32 array (converted once, when the request is parsed) or a list."""
@@ -42,6 +43,8 @@ class EndpointState:
             when it is not learned, when scorers use their configured value.
         kv_bytes_per_token: KV bytes per token the engine reports (``/kvmesh/info``); 0 unknown,
             when scorers use their configured value.
+        lora: the endpoint's LoRA adapters (``vllm:lora_requests_info``, ``/v1/models``); ``None``
+            when it reports none.
     """
 
     pod: PodId
@@ -55,6 +58,7 @@ class EndpointState:
     seconds_per_prefill_token: float = 0.0
     attention_context_tokens: float = 0.0
     kv_bytes_per_token: int = 0
+    lora: LoraState | None = None
 
 
 @dataclass(slots=True)
@@ -122,7 +126,8 @@ class RoutingRequest:
         request_id: unique id, used for logs and history.
         tokens: prompt token ids (as the engine will see them); the gateway passes one u32 array,
             which is hashed and matched as is.
-        namespace: model/LoRA/tenant the prompt's blocks live in.
+        namespace: model/LoRA/tenant the prompt's blocks live in; ``namespace.lora`` is the
+            adapter the request names (empty for the base model).
         session_id: ``x-session-id`` header, for session affinity.
         prefix: per-pod cached prefix; filled by the scheduler from its index when ``None``.
     """

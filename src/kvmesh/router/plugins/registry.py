@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.errors import ConfigError
-from kvmesh.router.plugins import filters, pickers, scorers
+from kvmesh.router.plugins import filters, lora, pickers, scorers
 from kvmesh.router.plugins.base import Params, Plugin, PluginContext, PluginFactory, PluginKind, check_plugin
 from kvmesh.router.prefill_ledger import PrefillLedger
 
 PREFILL_FILTER = "prefill-filter"
 DECODE_FILTER = "decode-filter"
 QUEUE_DEPTH_FILTER = "queue-depth-filter"
+LORA_AFFINITY_FILTER = "lora-affinity-filter"
 
 PRECISE_PREFIX_SCORER = "precise-prefix-cache-scorer"
 APPROXIMATE_PREFIX_SCORER = "prefix-cache-scorer"
@@ -29,6 +30,7 @@ SESSION_AFFINITY_SCORER = "session-affinity-scorer"
 RANDOM_SCORER = "random-scorer"
 ROUND_ROBIN_SCORER = "round-robin-scorer"
 TTFT_ESTIMATE_SCORER = "ttft-estimate-scorer"
+LORA_AFFINITY_SCORER = "lora-affinity-scorer"
 
 MAX_SCORE_PICKER = "max-score-picker"
 WEIGHTED_RANDOM_PICKER = "weighted-random-picker"
@@ -50,6 +52,7 @@ REGISTRY: dict[str, Registration] = {
     PREFILL_FILTER: Registration(PluginKind.FILTER, filters.make_prefill_filter),
     DECODE_FILTER: Registration(PluginKind.FILTER, filters.make_decode_filter),
     QUEUE_DEPTH_FILTER: Registration(PluginKind.FILTER, filters.make_queue_depth_filter),
+    LORA_AFFINITY_FILTER: Registration(PluginKind.FILTER, lora.make_lora_affinity_filter),
     PRECISE_PREFIX_SCORER: Registration(PluginKind.SCORER, scorers.make_precise_prefix_scorer),
     APPROXIMATE_PREFIX_SCORER: Registration(PluginKind.SCORER, scorers.make_approximate_prefix_scorer),
     QUEUE_SCORER: Registration(PluginKind.SCORER, scorers.make_queue_scorer),
@@ -59,6 +62,7 @@ REGISTRY: dict[str, Registration] = {
     RANDOM_SCORER: Registration(PluginKind.SCORER, scorers.make_random_scorer),
     ROUND_ROBIN_SCORER: Registration(PluginKind.SCORER, scorers.make_round_robin_scorer),
     TTFT_ESTIMATE_SCORER: Registration(PluginKind.SCORER, scorers.make_ttft_estimate_scorer),
+    LORA_AFFINITY_SCORER: Registration(PluginKind.SCORER, lora.make_lora_affinity_scorer),
     MAX_SCORE_PICKER: Registration(PluginKind.PICKER, pickers.make_max_score_picker),
     WEIGHTED_RANDOM_PICKER: Registration(PluginKind.PICKER, pickers.make_weighted_random_picker),
     RANDOM_PICKER: Registration(PluginKind.PICKER, pickers.make_random_picker),
