@@ -92,6 +92,18 @@ class ChaosContext:
                 return float(line.split()[1])
         return float("nan")
 
+    async def metric_total(self, url: str, name: str) -> float:
+        """The sum of ``name``'s samples over all their labels in ``url``'s ``/metrics`` (``nan``
+        when absent)."""
+        async with self.session.get(url + "/metrics") as resp:
+            text = await resp.text()
+        samples = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith((name + " ", name + "{"))
+        ]
+        return sum(samples) if samples else float("nan")
+
     async def sleep_until(self, t_s: float) -> None:
         """Sleep until the run's clock reads ``t_s``."""
         delay = t_s - self.log.now()
