@@ -374,10 +374,6 @@ async def test_oversized_body_is_413(engines):
         assert "larger than 1024 bytes" in (await resp.json())["error"]["message"]
 
 
-def test_port_helper_is_free():
-    assert free_port() > 0
-
-
 async def test_pd_sends_prefill_leg_then_decode(engines):
     prefill, decode = await engines(2)
     prefill.role, decode.role = "prefill", "decode"
