@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
+
 import pytest
+from rich.console import Console
 
 from kvmesh.bench.metrics import RequestResult, RunResult, summarize
 from kvmesh.demo import real_vllm, run
@@ -77,3 +81,48 @@ def test_demo_says_why_it_does_not_use_vllm(monkeypatch):
     assert resolve_engine(DemoOptions(engine="kvmesh")) == ("kvmesh", "--engine kvmesh")
     with pytest.raises(FleetError, match="AVX2"):
         resolve_engine(DemoOptions(engine="vllm"))
+
+
+def test_demo_measures_host_load_before_any_fleet_and_starts_each_fleet_with_its_part(monkeypatch, tmp_path):
+    events: list[str] = []
+
+    class RecordingFleet:
+        def __init__(self, config):
+            self.config = config
+            self.name = config.run_dir.name
+
+        async def start(self):
+            events.append(f"start {self.name}")
+
+        async def aclose(self):
+            events.append(f"close {self.name}")
+
+    async def load_probe():
+        events.append("load")
+        return None
+
+    async def fake_real(options, console, fleets):
+        for fleet in fleets:
+            await fleet.start()
+            events.append(f"run {fleet.name}")
+            await fleet.aclose()
+        return {}
+
+    async def fake_emulated(options, console, fleet):
+        await fleet.start()
+        events.append(f"run {fleet.name}")
+        await fleet.aclose()
+        return {}
+
+    monkeypatch.setattr(run, "Fleet", RecordingFleet)
+    monkeypatch.setattr(run, "measure_host_load", load_probe)
+    monkeypatch.setattr(run, "run_real", fake_real)
+    monkeypatch.setattr(run, "run_emulated", fake_emulated)
+    options = DemoOptions(engine="kvmesh", run_dir=tmp_path, progress=False)
+    asyncio.run(run.run_demo(options, Console(file=io.StringIO())))
+    assert events[0] == "load"
+    starts = [i for i, e in enumerate(events) if e.startswith("start")]
+    assert [events[i] for i in starts] == ["start round-robin", "start precise", "start emulated"]
+    # every fleet is closed before the next one starts
+    assert events.index("close round-robin") < events.index("start precise")
+    assert events.index("close precise") < events.index("start emulated")

@@ -55,10 +55,11 @@ def replicas(quick: bool, requested: int | None) -> int:
 
 
 def workload(quick: bool) -> SharedPrefixWorkload:
-    """Four groups of six questions, every prompt sent three times (72 requests): the four cold
-    first requests and the few that queue behind them stay under a tenth, so kvmesh's p90 TTFT
-    shows the warm path (3 questions per group with ``quick``)."""
-    per_group = 3 if quick else 6
+    """Four groups of twelve questions, every prompt sent three times (144 requests): the four cold
+    first requests and the ones that queue behind them are a few percent, so the top decile that
+    sets p90 TTFT (14 requests) is warm-path traffic, not a handful of cold starts (3 questions per
+    group with ``quick``)."""
+    per_group = 3 if quick else 12
     return SharedPrefixWorkload(
         num_groups=NUM_GROUPS,
         num_prompts_per_group=per_group,
@@ -179,7 +180,8 @@ def wait_for_store(fleet: Fleet, prompt: list[int], timeout_s: float) -> int:
 async def run(
     console: Console, fleets: list[Fleet], num_replicas: int, *, quick: bool, progress: bool
 ) -> tuple[dict[str, RunResult], CrossReplicaProbe | None]:
-    """Both fleets in turn (each stopped after its run), then the cross-replica probe on kvmesh's."""
+    """Both fleets in turn (each started when its run begins and stopped after it), then the
+    cross-replica probe on kvmesh's."""
     load = workload(quick)
     console.rule(f"[bold]1. real vLLM: {num_replicas} vLLM replicas (CPU build) serving SmolLM2-135M")
     console.print(
@@ -191,6 +193,7 @@ async def run(
     runs: dict[str, RunResult] = {}
     probe: CrossReplicaProbe | None = None
     for (label, _policy, _shared), fleet in zip(SETUPS, fleets, strict=True):
+        await fleet.start()
         opts = RunOptions(
             base_url=fleet.url, model="smollm2", concurrency=num_replicas, progress=progress, label=label
         )

@@ -207,9 +207,9 @@ def emulated_fleet_config(options: DemoOptions, base_dir: Path) -> FleetConfig:
 
 
 async def run_real(options: DemoOptions, console: Console, fleets: list[Fleet]) -> dict[str, RunResult]:
-    """Part 1 on started fleets: round-robin without sharing vs precise routing with the shared store.
+    """Part 1: round-robin without sharing vs precise routing with the shared store.
 
-    Each fleet is stopped once its run is done.
+    Each fleet is started when its run begins and stopped once it is done.
     """
     n = _real_replicas(options)
     workload = real_workload(options.quick, n)
@@ -222,6 +222,7 @@ async def run_real(options: DemoOptions, console: Console, fleets: list[Fleet]) 
     )
     runs: dict[str, RunResult] = {}
     for (label, _policy, _shared), fleet in zip(REAL_SETUPS, fleets, strict=True):
+        await fleet.start()
         opts = RunOptions(base_url=fleet.url, model="", concurrency=n, progress=options.progress, label=label)
         runs[label] = await run_on_fleet(fleet, workload, opts)
         await fleet.aclose()
@@ -231,10 +232,12 @@ async def run_real(options: DemoOptions, console: Console, fleets: list[Fleet]) 
 
 
 async def run_emulated(options: DemoOptions, console: Console, fleet: Fleet) -> dict[str, RunResult]:
-    """Part 2 on a started fleet: llm-d's four schedulers and kvmesh's, 8 emulated Qwen3-32B pods, scaled."""
+    """Part 2: llm-d's four schedulers and kvmesh's, 8 emulated Qwen3-32B pods, scaled (the fleet is
+    started here and stopped at the end)."""
     scaled = llmd_73_scaled("quick" if options.quick else "demo")
     console.rule("[bold]2. emulated llm-d fleet: 8 pods Qwen3-32B TP2 H100, llm-d's schedulers and kvmesh's")
     console.print(f"[dim]{scaled.description}[/dim]")
+    await fleet.start()
     opts = RunOptions(base_url=fleet.url, model="", progress=options.progress, label="emulated")
     runs = await compare_policies(
         fleet, scaled.workload, EMULATED_POLICIES, opts, scheduler_configs=scaled.scheduler_configs
@@ -284,7 +287,7 @@ async def measure_host_load(seconds: float = 2.0) -> HostLoad | None:
 
 def describe_host_load(load: HostLoad) -> str:
     text = (
-        f"host load before the emulated runs: {load.busy_fraction:.0%} of {load.num_cpus} cores busy with other "
+        f"host load before the demo started anything: {load.busy_fraction:.0%} of {load.num_cpus} cores busy with other "
         f"work (1-min load average {load.load_avg_1m:.2f})"
     )
     if load.high:
@@ -297,7 +300,10 @@ def describe_host_load(load: HostLoad) -> str:
 
 
 async def run_demo(options: DemoOptions, console: Console) -> int:
-    """Start every fleet the demo needs at once, run both parts, stop everything.
+    """Measure the host's load, then run each part on fleets started when the part begins.
+
+    The load is measured before any fleet exists, so it is other people's work only; each fleet is
+    stopped when its part ends, so no fleet idles on the cores while another one is measured.
 
     Returns:
         0 when every run completed requests, 1 otherwise.
@@ -306,6 +312,9 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
     base_dir = options.run_dir or Path(f"/tmp/kvmesh-demo-{int(time.time())}")
     engine, why_not_vllm = resolve_engine(options) if options.real else ("kvmesh", None)
     num_vllm = real_vllm.replicas(options.quick, options.replicas)
+    load = await measure_host_load() if options.emulated else None
+    if load is not None:
+        console.print(describe_host_load(load))
     if not options.real:
         real_fleets: list[Fleet] = []
     elif engine == "vllm":
@@ -318,13 +327,8 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
     emulated = Fleet(emulated_fleet_config(options, base_dir)) if options.emulated else None
     fleets = [*real_fleets, *([emulated] if emulated is not None else [])]
     all_runs: dict[str, dict[str, RunResult]] = {}
+    console.print(f"[dim]logs under {base_dir}[/dim]")
     try:
-        # engines load in parallel; a fleet waiting for its turn idles at no CPU cost
-        with console.status(
-            f"starting {sum(f.config.num_engines for f in fleets)} engines and {len(fleets)} routers ..."
-        ):
-            await asyncio.gather(*(f.start() for f in fleets))
-        console.print(f"[dim]fleets up in {time.monotonic() - t0:.0f} s; logs under {base_dir}[/dim]")
         if real_fleets and engine == "vllm":
             runs, probe = await real_vllm.run(
                 console, real_fleets, num_vllm, quick=options.quick, progress=options.progress
@@ -341,9 +345,6 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
         elif real_fleets:
             all_runs["real"] = await run_real(options, console, real_fleets)
         if emulated is not None:
-            load = await measure_host_load()
-            if load is not None:
-                console.print(describe_host_load(load))
             all_runs["emulated"] = await run_emulated(options, console, emulated)
     finally:
         await asyncio.gather(*(f.aclose() for f in fleets), return_exceptions=True)
