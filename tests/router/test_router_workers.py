@@ -8,14 +8,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
 from router_fakes import BLOCK, MODEL, FakeEngine, free_port
 
 from kvmesh.router import workers as workers_mod
-from kvmesh.router.workers import WorkerSupervisor
+from kvmesh.router.workers import WorkerSupervisor, num_listening_sockets, worker_pids
 
 PROMPT = list(range(1000, 1000 + 8 * BLOCK))
 
@@ -56,17 +55,6 @@ def test_supervisor_stop_ends_running_workers() -> None:
     assert supervisor.check() == 0, "a stopping supervisor starts nothing"
 
 
-def _worker_pids(parent: int) -> list[int]:
-    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-    return sorted(int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
-
-
-def _num_listeners(port: int) -> int:
-    hex_port = f":{port:04X}"
-    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
-    return sum(1 for row in rows if row.split()[1].endswith(hex_port) and row.split()[3] == "0A")
-
-
 async def _wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -96,7 +84,7 @@ async def test_workers_share_the_port_and_each_restarted_worker_rebuilds_the_ind
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ, HF_HUB_OFFLINE="1"),
     )  # fmt: skip
     try:
-        await _wait_for(lambda: _num_listeners(port) == 2, 120, "two workers listening")
+        await _wait_for(lambda: num_listening_sockets(port) == 2, 120, "two workers listening")
         first = await _served_by(url)
         holder = next(e for e in fleet if e.name == first)
         await _wait_for(lambda: len(holder.cache) == len(PROMPT) // BLOCK, 10, "the engine's cache")
@@ -104,18 +92,18 @@ async def test_workers_share_the_port_and_each_restarted_worker_rebuilds_the_ind
 
         for round_ in range(2):
             # Stop one worker: until its successor listens, the other serves every connection.
-            victim = _worker_pids(proc.pid)[0]
+            victim = worker_pids(proc.pid)[0]
             os.kill(victim, signal.SIGTERM)
             await _wait_for(
-                lambda v=victim: v not in _worker_pids(proc.pid),  # type: ignore[misc]
+                lambda v=victim: v not in worker_pids(proc.pid),  # type: ignore[misc]
                 30,
                 "the worker to exit",
             )
             assert [await _served_by(url) for _ in range(6)] == [first] * 6, f"round {round_}"
             # Its successor learns the engine's blocks from the replay socket, not from new events.
-            await _wait_for(lambda: _num_listeners(port) == 2, 120, "the restarted worker listening")
+            await _wait_for(lambda: num_listening_sockets(port) == 2, 120, "the restarted worker listening")
             await asyncio.sleep(1.0)
-        assert len(_worker_pids(proc.pid)) == 2
+        assert len(worker_pids(proc.pid)) == 2
         # Both original workers are gone: every answer now comes from a worker restarted after the
         # prompt's events were published.
         assert [await _served_by(url) for _ in range(8)] == [first] * 8

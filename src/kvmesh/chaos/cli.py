@@ -17,10 +17,10 @@ def register(subparsers: Any) -> None:
             "Start a fleet (two CPU engines of a tiny model, router, Redis or Valkey), drive steady load through the "
             "router, inject faults (shared tier killed and frozen, an engine killed, the router "
             "restarted, corrupt chunks, fuzzed events and requests, two tenants, an overload burst through "
-            "flow control, a soak) and check each scenario's bounds. Exit code 1 when any bound fails."
+            "flow control, a soak, a rolling restart of two router workers and then of every engine) and check each scenario's bounds. Exit code 1 when any bound fails."
         ),
     )
-    p.add_argument("--quick", action="store_true", help="the short run (about 3 minutes; 30 s soak)")
+    p.add_argument("--quick", action="store_true", help="the short run (about 4 minutes; 30 s soak)")
     p.add_argument("--shared", choices=["redis", "valkey"], default="redis", help="shared tier server")
     p.add_argument("--out", type=Path, default=Path("chaos-report"), help="report, timeline and fleet logs")
     p.add_argument(

@@ -8,6 +8,7 @@
     4 corruption (store level, its own tiers; the Redis tier on the fleet's server), then corrupt
       chunks in the fleet's server under the engines (4b)
     8 overload burst (its own emulated fleet, behind a router with flow control; the load paused)
+    9 rolling restart: the router as two workers, each restarted in turn, then every engine
 
 A scenario that raises is recorded as failed with its error, and the run goes on with the next.
 """
@@ -38,6 +39,7 @@ from kvmesh.chaos.fuzz_http import malformed_http
 from kvmesh.chaos.load import SteadyLoad, chaos_prompts, num_failed, series
 from kvmesh.chaos.overload import overload_burst
 from kvmesh.chaos.report import ChaosReport
+from kvmesh.chaos.rolling_restart import rolling_restart
 from kvmesh.chaos.schedule import FULL, QUICK, FaultLog
 from kvmesh.chaos.soak import ROUTER_CONNECTIONS_PER_ENGINE, soak
 from kvmesh.chaos.tenants import tenants_stay_apart
@@ -54,6 +56,7 @@ SCENARIOS = (
     "corruption_e2e",
     "overload",
     "soak",
+    "rolling_restart",
 )
 MODEL = "tiny-random-llama"
 """A small random-weight Llama run for real on the CPU: these save and load real KV through the
@@ -66,7 +69,7 @@ class ChaosConfig:
     """One run.
 
     Args:
-        quick: the short bounds-only run (about 3 minutes) instead of the full one.
+        quick: the short bounds-only run (about 4 minutes) instead of the full one.
         shared: the shared tier's server.
         out_dir: where the report, the timeline and the fleet's logs go.
         scenarios: which to run, in :data:`SCENARIOS` order.
@@ -172,6 +175,7 @@ async def run_chaos(
             "corruption_e2e": ("4b. corruption under the engines", lambda: shared_tier_corruption(ctx)),
             "overload": ("8. overload burst", lambda: overload_burst(ctx)),
             "soak": ("7. soak", lambda: soak(ctx)),
+            "rolling_restart": ("9. rolling restart", lambda: rolling_restart(ctx)),
         }
         load.start()
         try:

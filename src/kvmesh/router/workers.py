@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from types import FrameType
 
 RESPAWN_BACKOFF_S = 1.0
@@ -134,3 +135,30 @@ class WorkerSupervisor:
             for s, handler in previous.items():
                 signal.signal(s, handler)
         return 0
+
+
+def worker_pids(supervisor_pid: int) -> list[int]:
+    """The live workers of the ``kvmesh router --workers N`` process ``supervisor_pid``, oldest first
+    (Linux: read from /proc; multiprocessing's resource tracker is not one)."""
+    try:
+        children = Path(f"/proc/{supervisor_pid}/task/{supervisor_pid}/children").read_text().split()
+    except FileNotFoundError:
+        return []
+    pids: list[int] = []
+    for child in children:
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"spawn_main" in cmdline:
+            pids.append(int(child))
+    return sorted(pids)
+
+
+def num_listening_sockets(port: int) -> int:
+    """TCP sockets listening on ``port`` over IPv4 (Linux: /proc/net/tcp): one per worker that
+    accepts on it."""
+    suffix = f":{port:04X}"
+    listening = "0A"
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for row in rows if (cols := row.split())[1].endswith(suffix) and cols[3] == listening)
