@@ -138,9 +138,14 @@ def ensure_sglang_router(venv: Path) -> Path:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (all threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of a process (all threads) and its live descendants, from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except FileNotFoundError:
+        return 0.0
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own + sum(cpu_seconds(int(child)) for child in children)
 
 
 class Procs:
@@ -242,6 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--kvmesh-policy", default="precise")
     parser.add_argument(
+        "--kvmesh-workers",
+        default="1",
+        help="comma-separated worker counts: one kvmesh target per count (kvmesh router --workers N)",
+    )
+    parser.add_argument(
         "--kvmesh-thread-min-chars",
         type=int,
         default=None,
@@ -291,15 +301,18 @@ def main(argv: list[str] | None = None) -> int:
             cfg.write_text(f"tokenizeThreadMinChars: {args.kvmesh_thread_min_chars}\n")
             temp_files.append(cfg)
             kv_extra = ["--config", str(cfg)]
-        kv_proc = procs.start(
-            [sys.executable, "-m", "kvmesh", "router", "--endpoints", ",".join(backend_urls), "--policy",
-             args.kvmesh_policy, "--port", str(kv_port), "--model", MODEL, "--tokenizer", "smollm2",
-             "--log-level", "warning", *kv_extra],
-            env=env,
-        )  # fmt: skip
-        wait_http(f"http://127.0.0.1:{kv_port}/health", 120)
-        targets[f"kvmesh ({args.kvmesh_policy})"] = [f"http://127.0.0.1:{kv_port}"]
-        pids[f"kvmesh ({args.kvmesh_policy})"] = kv_proc.pid
+        for num_workers in (int(n) for n in args.kvmesh_workers.split(",")):
+            kv_port = free_port()
+            kv_proc = procs.start(
+                [sys.executable, "-m", "kvmesh", "router", "--endpoints", ",".join(backend_urls), "--policy",
+                 args.kvmesh_policy, "--port", str(kv_port), "--model", MODEL, "--tokenizer", "smollm2",
+                 "--log-level", "warning", "--workers", str(num_workers), *kv_extra],
+                env=env,
+            )  # fmt: skip
+            wait_http(f"http://127.0.0.1:{kv_port}/health", 120)
+            name = f"kvmesh ({args.kvmesh_policy}, {num_workers} worker{'s' if num_workers > 1 else ''})"
+            targets[name] = [f"http://127.0.0.1:{kv_port}"]
+            pids[name] = kv_proc.pid
         if not args.skip_sglang:
             python = ensure_sglang_router(args.sglang_venv)
             sg_port, sg_prom = free_port(), free_port()
