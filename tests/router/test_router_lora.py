@@ -53,6 +53,9 @@ def test_lora_info_takes_the_newest_sample():
 
 def test_lora_info_absent_or_malformed():
     assert parse_lora_info('vllm:num_requests_waiting{model_name="m"} 1\n') is None
+    # declared before the engine's first step, with no sample yet: LoRA is on, nothing runs
+    declared = "# HELP vllm:lora_requests_info Running stats on lora requests.\n# TYPE vllm:lora_requests_info gauge\n"
+    assert parse_lora_info(declared) == LoraState()
     assert parse_lora_info('vllm:lora_requests_info{max_lora="x"} nan\n') is None
     state = parse_lora_info('vllm:lora_requests_info{max_lora="x",running_lora_adapters="a"} 5\n')
     assert state is not None and state.max_lora == 0 and state.running == {"a"} and state.has_free_slot()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 LORA_INFO_METRIC = "vllm:lora_requests_info"
+_TYPE_LINE = f"# TYPE {LORA_INFO_METRIC} gauge"
 
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -69,13 +70,16 @@ def parse_lora_info(text: str) -> LoraState | None:
     """The latest ``vllm:lora_requests_info`` sample of a Prometheus exposition.
 
     Returns:
-        The running/waiting adapters and ``max_lora`` of the newest sample (``servable`` empty), or
-        ``None`` when the endpoint exports no such metric (LoRA off, or not vLLM).
+        The running/waiting adapters and ``max_lora`` of the newest sample (``servable`` empty); an
+        empty state when the metric is declared but has no sample yet (vLLM sets it on its first
+        step); ``None`` when the endpoint does not export it (LoRA off, or not vLLM).
     """
     best: tuple[float, str] | None = None
+    declared = False
     prefix = LORA_INFO_METRIC + "{"
     for line in text.splitlines():
         if not line.startswith(prefix):
+            declared = declared or line == _TYPE_LINE
             continue
         end = line.rfind("}")
         rest = line[end + 1 :].split()
@@ -88,7 +92,7 @@ def parse_lora_info(text: str) -> LoraState | None:
         if math.isfinite(stamp) and (best is None or stamp >= best[0]):
             best = (stamp, line[len(prefix) : end])
     if best is None:
-        return None
+        return LoraState() if declared else None
     labels = {key: value.replace('\\"', '"').replace("\\\\", "\\") for key, value in _LABEL.findall(best[1])}
     try:
         max_lora = max(int(labels.get("max_lora", "0")), 0)
