@@ -405,9 +405,6 @@ class EndpointPool:
         elif state.lora is not None:  # restarted without LoRA
             state.lora = None
             endpoint.models = []
-        elif state.lora is not None:  # restarted without LoRA
-            state.lora = None
-            endpoint.models = []
 
     async def _update_lora(self, endpoint: Endpoint, lora: LoraState) -> None:
         """Record the endpoint's running adapters, reading ``/v1/models`` for the servable ones
