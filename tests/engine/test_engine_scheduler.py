@@ -186,14 +186,14 @@ class BrokenStore:
     def __init__(self) -> None:
         self.calls = 0
 
-    async def lookup(self, tokens, tenant):  # type: ignore[no-untyped-def]
+    def store_keys(self, tokens, tenant):  # type: ignore[no-untyped-def]
+        return [str(i) for i in range(len(tokens) // self.chunk_size)]
+
+    async def retrieve(self, tokens, tenant, keys, beyond=0):  # type: ignore[no-untyped-def]
         self.calls += 1
         raise RuntimeError("store bug")
 
-    async def retrieve(self, tokens, tenant):  # type: ignore[no-untyped-def]
-        raise RuntimeError("store bug")
-
-    async def store(self, tokens, tenant, kv, skip_tokens=0, on_written=None):  # type: ignore[no-untyped-def]
+    async def store(self, tokens, tenant, kv, skip_tokens=0, on_written=None, every_tier=False, keys=None):  # type: ignore[no-untyped-def]
         raise RuntimeError("store bug")
 
     async def drain(self) -> None:
@@ -219,4 +219,4 @@ async def test_a_failing_store_means_recompute(caplog) -> None:
     assert (len(tokens), reason) == (2, "length")
     assert store.calls == 1 and core.stats.num_store_read_failures == 1
     assert req.num_cached_tokens == 0
-    assert "store lookup failed" in caplog.text
+    assert "store read failed" in caplog.text

@@ -80,15 +80,8 @@ class Tokenizer:
         """Text of ``ids``; incomplete UTF-8 at the end comes out as U+FFFD."""
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def render_chat(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        add_generation_prompt: bool = True,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> str:
-        """The chat rendered by the model's chat template (``tools``: OpenAI function tools the
-        template may list; templates that do not use them ignore them).
+    def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> str:
+        """The chat rendered by the model's chat template.
 
         Raises:
             RequestError: the messages are malformed or the model has no chat template.
@@ -104,10 +97,7 @@ class Tokenizer:
 
         try:
             text = self._tok.apply_chat_template(
-                [dict(m) for m in messages],
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-                tools=[dict(t) for t in tools] if tools else None,
+                [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except TemplateError as exc:  # UndefinedError, the template's raise_exception, ...
             raise RequestError(f"chat template failed on these messages: {exc}", param="messages") from exc
@@ -120,15 +110,12 @@ class Tokenizer:
         return str(text)
 
     def apply_chat_template(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        add_generation_prompt: bool = True,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
     ) -> list[int]:
         """Token ids of a chat: rendered with the model's template, encoded without extra specials."""
-        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(
+            self.render_chat(messages, add_generation_prompt=add_generation_prompt), add_special_tokens=False
+        )
 
     def token_text(self, token_id: int) -> str:
         """The vocabulary string of one id (special tokens included), e.g. for logprob listings."""

@@ -81,6 +81,8 @@ class EngineCore:
         limits = BatchLimits(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.scheduler: StepScheduler[EngineRequest] = StepScheduler(cache, limits, self)
         self._wake = asyncio.Event()
+        self._prefilled: list[EngineRequest] = []
+        """Requests whose prefill finished in the step being applied (:meth:`on_prefill_done`)."""
         self.store_sync = StoreSync(
             store,
             runner,
@@ -245,11 +247,8 @@ class EngineCore:
     ) -> None:
         now = time.monotonic()
         sampled = result.sampled
-        prefilled = [r for r, _, end in out.prefills if end >= r.target and r.alloc is not None]
-        for req in prefilled:
-            if req.request_id in sampled:
-                self.store_sync.queue_write(req)
         self.scheduler.update(out)
+        prefilled, self._prefilled = self._prefilled, []
         for req in prefilled + decoding:
             token = sampled.get(req.request_id)
             if token is not None and not req.finished:
@@ -343,12 +342,15 @@ class EngineCore:
         )
 
     def on_prefill_done(self, req: EngineRequest) -> None:
-        pass
+        # Its first token is sampled in this step: the prompt's write is queued (before a release
+        # in the same step frees its runner state) and the token is appended after the update.
+        self._prefilled.append(req)
+        self.store_sync.queue_write(req)
 
     def on_release(self, req: EngineRequest, why: Release) -> None:
         if why is Release.FINISHED:
             self._cache_output_blocks(req)
-        elif why is Release.PREEMPTED:
+        elif why.preempted:
             self.stats.num_preemptions += 1
             req.num_cached_tokens = 0
             req.seq.num_computed_tokens = 0

@@ -126,7 +126,13 @@ class LocalTierAnnouncer:
         """Chunks whose announcement stands in at least one tier."""
         return len(self._announced)
 
-    def expect(self, tokens: list[int], blocks: Sequence[BlockKey], tenant: str) -> None:
+    def expect(
+        self,
+        tokens: list[int],
+        blocks: Sequence[BlockKey],
+        tenant: str,
+        chunks: Sequence[StoreKey] | None = None,
+    ) -> None:
         """A write or load of a prompt's full chunks is about to reach the store: a local tier
         may report them (a write stores them, a load promotes them).
 
@@ -134,13 +140,16 @@ class LocalTierAnnouncer:
             tokens: the prompt's tokens up to its last full chunk (kept, not copied).
             blocks: the prompt's device block keys (at least those of the full chunks).
             tenant: the request's tenant (``extra_keys`` of a chain's first block).
+            chunks: the prompt's store keys (at least those of ``tokens``' full chunks), when the
+                caller has them; computed here otherwise.
         """
         if self._chunk_keys is None:
             return
-        num_blocks = len(tokens) // self.chunk_size * self.blocks_per_chunk
+        num_chunks = len(tokens) // self.chunk_size
+        num_blocks = num_chunks * self.blocks_per_chunk
         if num_blocks == 0 or len(blocks) < num_blocks:
             return
-        chunks = self._chunk_keys(tokens, tenant)
+        chunks = self._chunk_keys(tokens, tenant) if chunks is None else list(chunks[:num_chunks])
         assert len(chunks) * self.blocks_per_chunk == num_blocks, "the store keys other chunks"
         prompt = _Prompt(chunks, list(blocks[:num_blocks]), tokens, tenant)
         pending = self._pending

@@ -6,12 +6,16 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvmesh.core.tenancy import Role
 from kvmesh.engine.pins import PinResult
 from kvmesh.engine.runner import KVArray, SamplingParams, Sequence
 from kvmesh.engine.step_scheduler import ScheduledRequest
 from kvmesh.engine.store_connector import LoadedPrefix
+
+if TYPE_CHECKING:
+    from kvmesh.store.keys import StoreKey
 
 
 @dataclass(slots=True)
@@ -75,6 +79,9 @@ class EngineRequest(ScheduledRequest):
         self.role = role
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.loaded: LoadedPrefix | None = None
+        self.store_keys: list[StoreKey] | None = None
+        """Store keys of the prompt's full chunks, hashed once (the first time the store is asked)
+        and used for its read, its write and the local tiers' announcements."""
         self.prefix_kv: KVArray | None = None
         """KV of the cached prefix for the first chunk when it came from the store."""
         self.num_cached_tokens = 0

@@ -75,6 +75,13 @@ class Release(Enum):
     FINISHED = "finished"
     ABORTED = "aborted"
     PREEMPTED = "preempted"
+    """Preempted while prefilling: nothing was generated yet, the prefill starts over."""
+    PREEMPTED_DECODING = "preempted_decoding"
+    """Preempted while decoding: its output so far stays, the prompt and it are recomputed."""
+
+    @property
+    def preempted(self) -> bool:
+        return self is Release.PREEMPTED or self is Release.PREEMPTED_DECODING
 
 
 class SchedulerHooks(Protocol[R_contra]):
@@ -422,14 +429,13 @@ class StepScheduler(Generic[R]):
 
     def _preempt_newest(self) -> None:
         req = self.running[-1]
-        was_decoding = req.decoding
-        if was_decoding:
+        if req.decoding:
             self._stop_decoding(req)
+            why = Release.PREEMPTED_DECODING
         else:
             self.prefilling.remove(req)
-        req.decoding = was_decoding  # lets the hook tell a decode preemption from a prefill one
-        self._release(req, Release.PREEMPTED)
-        req.decoding = False
+            why = Release.PREEMPTED
+        self._release(req, why)
         self._preempted = True
         req.num_preemptions += 1
         self.waiting.appendleft(req)

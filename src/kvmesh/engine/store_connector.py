@@ -35,6 +35,9 @@ class LoadedPrefix:
     kv: Any
     tier: str
     parts: tuple[np.ndarray, ...] = ()
+    held_tokens: int = 0
+    """Leading tokens the store's tiers said they held; more than ``num_tokens`` when a chunk
+    failed its checks or its tier failed before it was read (the request is marked a store fault)."""
 
 
 StoreWritten: TypeAlias = Callable[[Medium, int], None]
@@ -62,12 +65,16 @@ class PrefixStore(Protocol):
 
     chunk_size: int
 
-    async def lookup(self, tokens: list[int], tenant: str) -> int:
-        """Leading tokens of ``tokens`` the store holds (a multiple of ``chunk_size``)."""
+    def store_keys(self, tokens: list[int], tenant: str) -> list[StoreKey]:
+        """Keys of the full chunks of ``tokens``: computed once per request, passed to the calls below."""
         ...
 
-    async def retrieve(self, tokens: list[int], tenant: str) -> LoadedPrefix | None:
-        """Load the longest stored prefix of ``tokens``; ``None`` on a miss."""
+    async def retrieve(
+        self, tokens: list[int], tenant: str, keys: list[StoreKey], beyond: int = 0
+    ) -> LoadedPrefix | None:
+        """Load the longest stored prefix of ``tokens`` (``keys``: their :meth:`store_keys`) if it
+        is longer than ``beyond`` tokens; ``None`` when nothing was held, a ``LoadedPrefix`` of 0
+        tokens carrying ``held_tokens`` when nothing was read."""
         ...
 
     async def store(
@@ -78,12 +85,14 @@ class PrefixStore(Protocol):
         skip_tokens: int = 0,
         on_written: StoreWritten | None = None,
         every_tier: bool = False,
+        keys: list[StoreKey] | None = None,
     ) -> None:
         """Write the chunks of ``tokens`` (KV (L, 2, H, len(tokens), D)) past ``skip_tokens`` the store lacks.
 
         ``on_written`` hears once per tier that took the write (or already held it); never for a
         tier that dropped it. ``every_tier``: write each tier what it lacks, even when the fastest
-        tier holds the chunks (a prompt about to be pinned).
+        tier holds the chunks (a prompt about to be pinned). ``keys``: the prompt's
+        :meth:`store_keys`, when the caller has them.
         """
         ...
 
@@ -120,10 +129,12 @@ class NullPrefixStore:
 
     chunk_size = 256
 
-    async def lookup(self, tokens: list[int], tenant: str) -> int:
-        return 0
+    def store_keys(self, tokens: list[int], tenant: str) -> list[StoreKey]:
+        return []
 
-    async def retrieve(self, tokens: list[int], tenant: str) -> LoadedPrefix | None:
+    async def retrieve(
+        self, tokens: list[int], tenant: str, keys: list[StoreKey], beyond: int = 0
+    ) -> LoadedPrefix | None:
         return None
 
     async def store(
@@ -134,6 +145,7 @@ class NullPrefixStore:
         skip_tokens: int = 0,
         on_written: StoreWritten | None = None,
         every_tier: bool = False,
+        keys: list[StoreKey] | None = None,
     ) -> None:
         return None
 
@@ -176,14 +188,17 @@ class CacheEngineStore:
     def _ns(self, tenant: str) -> Namespace:
         return self._namespace.for_tenant(tenant)
 
-    async def lookup(self, tokens: list[int], tenant: str) -> int:
-        return int(await self._engine.lookup(tokens, self._ns(tenant)))
+    def store_keys(self, tokens: list[int], tenant: str) -> list[StoreKey]:
+        return list(self._engine.chunk_keys(tokens, self._ns(tenant)))
 
-    async def retrieve(self, tokens: list[int], tenant: str) -> LoadedPrefix | None:
-        result = await self._engine.retrieve(tokens, self._ns(tenant), join=False)
-        if result is None or result.num_tokens <= 0 or not result.parts:
-            return None
-        return LoadedPrefix(int(result.num_tokens), None, Medium.parse(result.tier).value, result.parts)
+    async def retrieve(
+        self, tokens: list[int], tenant: str, keys: list[StoreKey], beyond: int = 0
+    ) -> LoadedPrefix | None:
+        result = await self._engine.retrieve(tokens, self._ns(tenant), join=False, keys=keys, beyond=beyond)
+        held = int(result.held_tokens)
+        if result.num_tokens <= 0 or not result.parts:
+            return LoadedPrefix(0, None, Medium.GPU.value, (), held) if held else None
+        return LoadedPrefix(int(result.num_tokens), None, Medium.parse(result.tier).value, result.parts, held)
 
     async def store(
         self,
@@ -193,10 +208,17 @@ class CacheEngineStore:
         skip_tokens: int = 0,
         on_written: StoreWritten | None = None,
         every_tier: bool = False,
+        keys: list[StoreKey] | None = None,
     ) -> None:
         report = None if on_written is None else _by_medium(on_written)
         await self._engine.store(
-            tokens, self._ns(tenant), kv, skip_tokens=skip_tokens, on_written=report, every_tier=every_tier
+            tokens,
+            self._ns(tenant),
+            kv,
+            skip_tokens=skip_tokens,
+            on_written=report,
+            every_tier=every_tier,
+            keys=keys,
         )
 
     def pin_max_ttl_s(self, tenant: str) -> float | None:
@@ -226,10 +248,7 @@ class CacheEngineStore:
         names: list[str] = self._engine.watch_local_tiers(report)
         if not names:
             return None
-        return LocalTiers(tuple(Medium.parse(name) for name in names), self._chunk_keys)
-
-    def _chunk_keys(self, tokens: list[int], tenant: str) -> list[StoreKey]:
-        return list(self._engine.chunk_keys(tokens, self._ns(tenant)))
+        return LocalTiers(tuple(Medium.parse(name) for name in names), self.store_keys)
 
     async def aclose(self) -> None:
         close = getattr(self._engine, "aclose", None)

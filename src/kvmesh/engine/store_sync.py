@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvmesh.core.events import KVEvent
 from kvmesh.core.tenancy import Role
@@ -30,6 +31,9 @@ from kvmesh.engine.prefix_cache import PrefixCache, prefix_stored_event
 from kvmesh.engine.request import EngineRequest, EngineStats
 from kvmesh.engine.runner import NUMPY_KV, KVArray, ModelRunner, Sequence
 from kvmesh.engine.store_connector import LoadedPrefix, NullPrefixStore, PrefixStore, StoreWritten
+
+if TYPE_CHECKING:
+    from kvmesh.store.keys import StoreKey
 
 logger = logging.getLogger(__name__)
 
@@ -88,33 +92,41 @@ class StoreSync:
         bs = self.cache.block_size
         return (req.prompt_len - 1) // bs * bs
 
+    def store_keys(self, req: EngineRequest) -> list[StoreKey]:
+        """The store keys of ``req``'s full prompt chunks, hashed on first use and kept on it."""
+        keys = req.store_keys
+        if keys is None:
+            keys = req.store_keys = self.store.store_keys(req.seq.token_ids[: req.prompt_len], req.tenant)
+        return keys
+
     async def load_prefix(self, req: EngineRequest) -> None:
-        """Fetch the longest stored prefix that beats the device tier into ``req.loaded``."""
+        """Fetch the longest stored prefix that beats the device tier into ``req.loaded``: one
+        store read, which reads no chunk unless the store holds more than the device tier."""
         if not self.enabled:
             return
         bs = self.cache.block_size
         limit_tokens = self.cacheable_tokens(req)
         local_tokens = self.cache.match(req.keys[: limit_tokens // bs]) * bs
-        probe = req.seq.token_ids[:limit_tokens]
-        if len(probe) < self.store.chunk_size or local_tokens >= limit_tokens:
+        if limit_tokens < self.store.chunk_size or local_tokens >= limit_tokens:
             return
+        probe = req.seq.token_ids[:limit_tokens]
         start = time.perf_counter()
         try:
-            stored = await self.store.lookup(probe, req.tenant)
-            if stored > local_tokens and self.local is not None:
+            keys = self.store_keys(req)
+            if self.local is not None:
                 # The read may copy chunks into a local tier (promotion): they are this prompt's.
-                self.local.expect(probe[:stored], req.keys, req.tenant)
-            loaded = await self.store.retrieve(probe, req.tenant) if stored > local_tokens else None
+                self.local.expect(probe, req.keys, req.tenant, keys)
+            loaded = await self.store.retrieve(probe, req.tenant, keys, beyond=local_tokens)
         except Exception:
             # The store turns tier failures into misses; anything escaping it is a store bug. It is
             # logged loudly and the request recomputes instead of failing.
             self.stats.num_store_read_failures += 1
             req.store_fault = True
-            logger.exception("store lookup failed; recomputing")
+            logger.exception("store read failed; recomputing")
             return
-        if stored > local_tokens and (loaded is None or loaded.num_tokens < stored):
+        if loaded is not None and loaded.held_tokens > max(loaded.num_tokens, local_tokens):
             # The tiers said they held more than they served: a chunk failed its checks or a tier
-            # failed between the lookup and the read.
+            # failed between the existence check and the read.
             req.store_fault = True
         if loaded is None or loaded.num_tokens <= local_tokens:
             return
@@ -184,7 +196,12 @@ class StoreSync:
             done = req.store_done
             assert done is not None, "queued store write without its future"
             try:
-                kv = self.runner.export_kv(req.seq, 0, n)
+                chunk_keys = self.store_keys(req)[: n // self.store.chunk_size]
+                # The device tier keeps the prompt's blocks (their KV left the runner once, when
+                # they were computed or loaded); the runner is asked only when it holds no KV.
+                kv = self.cache.get_kv(req.keys[: n // self.cache.block_size]) if self.cache.keep_kv else None
+                if kv is None:
+                    kv = self.runner.export_kv(req.seq, 0, n)
             except Exception:
                 # e.g. no device memory for the copy: the prompt is not written, nothing else fails
                 self.stats.num_store_write_failures += 1
@@ -200,7 +217,18 @@ class StoreSync:
                 announce = self._shared_announcer(keys, tokens, req.tenant)
             skip = 0 if req.pin_ttl_s is not None else req.num_cached_tokens
             task = asyncio.create_task(
-                self._write(tokens, keys, req.tenant, kv, skip, req.role, done, announce, pin_for=req)
+                self._write(
+                    tokens,
+                    keys,
+                    chunk_keys,
+                    req.tenant,
+                    kv,
+                    skip,
+                    req.role,
+                    done,
+                    announce,
+                    pin_for=req,
+                )
             )
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -212,6 +240,7 @@ class StoreSync:
         self,
         tokens: list[int],
         keys: list[BlockKey],
+        chunk_keys: list[StoreKey],
         tenant: str,
         kv: KVArray,
         skip: int,
@@ -227,10 +256,15 @@ class StoreSync:
             # Out of device memory off the event loop (the copy waits for the step in flight).
             host = kv if ops is NUMPY_KV else await asyncio.to_thread(ops.to_host, kv)
             if self.local is not None:
-                # Off the step: hashing the prompt's store keys costs about 0.6 ms per 8k tokens.
-                self.local.expect(tokens, keys, tenant)
+                self.local.expect(tokens, keys, tenant, chunk_keys)
             await self.store.store(
-                tokens, tenant, host, skip, on_written=on_written, every_tier=pin_ttl_s is not None
+                tokens,
+                tenant,
+                host,
+                skip,
+                on_written=on_written,
+                every_tier=pin_ttl_s is not None,
+                keys=chunk_keys,
             )
             if pin_for is not None and pin_ttl_s is not None:
                 pin_for.pin_results = await self.store.pin(tokens, tenant, pin_ttl_s)

@@ -363,9 +363,9 @@ class SimReplica:
         self.on_events(self.pod, [prefix_stored_event(keys, req.prompt, self.block_size, "", Medium.SHARED)])
 
     def on_release(self, req: SimRequest, why: Release) -> None:
-        if why is Release.PREEMPTED:
-            if req.decoding:
-                req.preempted_at = self.loop.now
+        if why is Release.PREEMPTED_DECODING:
+            req.preempted_at = self.loop.now
+        if why.preempted:
             self.stats.num_preemptions += 1
 
     # ------------------------------------------------------------------ request lifecycle

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.core.events import BlockRemoved, BlockStored, KVEvent
+from kvmesh.core.tier_scan import PrefixScan
 from kvmesh.core.types import BlockKey, ExternalBlockHash, Medium
 from kvmesh.engine.cost_model import CostModel
 from kvmesh.engine.prefix_cache import PrefixCache, engine_block_hash
@@ -210,20 +211,18 @@ class TierStack:
         if limit <= first:
             return 0, 0, now
         cpu, shared = self.cpu, self.shared
-        cpu_hits: list[BlockKey] = []
-        shared_hits: list[BlockKey] = []
-        cpu_tokens = shared_tokens = 0
-        for i in range(first, limit):
-            key = chunks[i]
-            gain = (i + 1) * size - max(have_tokens, i * size)
-            if cpu is not None and key in cpu:
-                cpu_hits.append(key)
-                cpu_tokens += gain
-            elif shared is not None and key in shared.cache:
-                shared_hits.append(key)
-                shared_tokens += gain
-            else:
-                break
+        # The store's own pass (one question per tier, chunks from their fastest holder); the
+        # chunks the device tier holds are known held, as the engine's ``beyond`` treats them.
+        scan = PrefixScan(limit)
+        scan.record(-1, range(first), [True] * first)
+        for t, tier in enumerate((cpu, None if shared is None else shared.cache)):
+            if tier is not None:
+                asked = scan.unresolved()
+                scan.record(t, asked, [chunks[i] in tier for i in asked])
+        cpu_served, shared_served = scan.served_by(0, first), scan.served_by(1, first)
+        cpu_hits = [chunks[i] for i in cpu_served]
+        cpu_tokens = self._gain(cpu_served, have_tokens)
+        shared_tokens = self._gain(shared_served, have_tokens)
         ready = now
         if cpu_tokens:
             assert cpu is not None
@@ -237,6 +236,11 @@ class TierStack:
             self.stats.shared_hit_tokens += shared_tokens
             self.stats.shared_read_bytes += num_bytes
         return cpu_tokens, shared_tokens, ready
+
+    def _gain(self, served: list[int], have_tokens: int) -> int:
+        """Tokens beyond ``have_tokens`` that the chunks ``served`` add."""
+        size = self.chunk_size
+        return sum((i + 1) * size - max(have_tokens, i * size) for i in served)
 
     def write_prefix(self, block_keys: list[BlockKey], tokens: Sequence[int], now: float) -> int:
         """Write-through of a computed prompt's full chunks (asynchronous: loads links, delays nothing).

@@ -63,10 +63,13 @@ class RetrieveResult:
     kv: np.ndarray | None
     tier: str | None
     parts: tuple[np.ndarray, ...] = ()
+    held_tokens: int = 0
+    """Leading tokens the tiers said they held (more than ``num_tokens``: a chunk failed its checks
+    or its tier failed in between; held but not read when no more than ``beyond``)."""
 
     @classmethod
-    def miss(cls) -> RetrieveResult:
-        return cls(0, None, None)
+    def miss(cls, held_tokens: int = 0) -> RetrieveResult:
+        return cls(0, None, None, (), held_tokens)
 
 
 class KVCacheEngine:
@@ -144,38 +147,57 @@ class KVCacheEngine:
         return await self.tiered.count_prefix(keys) * self.chunk_size
 
     async def retrieve(
-        self, tokens: Sequence[int], namespace: Namespace, max_tokens: int | None = None, *, join: bool = True
+        self,
+        tokens: Sequence[int],
+        namespace: Namespace,
+        max_tokens: int | None = None,
+        *,
+        join: bool = True,
+        keys: Sequence[StoreKey] | None = None,
+        beyond: int = 0,
     ) -> RetrieveResult:
-        """Load the KV of the longest stored prefix of ``tokens``.
+        """Load the KV of the longest stored prefix of ``tokens``: one existence check per tier,
+        then one read per chunk.
 
         Args:
             tokens: the prompt.
             namespace: model, revision, LoRA, tenant (KV format from :meth:`bind_layout` if unset).
             max_tokens: load at most this many tokens (rounded down to whole chunks).
             join: concatenate the chunks into ``kv``; ``False`` returns them as ``parts``.
+            keys: ``tokens``' chunk keys from :meth:`chunk_keys` (at least those of the chunks to
+                load), when the caller has them already; computed here otherwise.
+            beyond: load nothing unless the stored prefix is longer than this many tokens (the
+                caller holds those); the miss then carries ``held_tokens``.
 
         Returns:
             The prefix KV; a miss (0 tokens) when nothing usable was found.
         """
-        max_chunks = None if max_tokens is None else max(0, max_tokens) // self.chunk_size
-        keys = self.chunk_keys(tokens, namespace, max_chunks)
+        max_chunks = len(tokens) // self.chunk_size
+        if max_tokens is not None:
+            max_chunks = min(max_chunks, max(0, max_tokens) // self.chunk_size)
+        if keys is None:
+            keys = self.chunk_keys(tokens, namespace, max_chunks)
+        elif len(keys) < max_chunks:
+            raise ValueError(f"{len(keys)} chunk keys given for {max_chunks} chunks of {len(tokens)} tokens")
+        keys = keys[:max_chunks]
         if not keys:
             return RetrieveResult.miss()
-        found = (await self.tiered.get_prefix(keys)).chunks
-        chunks = self._consistent_prefix(found)
+        result = await self.tiered.get_prefix(keys, beyond=max(0, beyond) // self.chunk_size)
+        held_tokens = result.num_held * self.chunk_size
+        chunks = self._consistent_prefix(result.chunks)
         if not chunks:
-            return RetrieveResult.miss()
+            return RetrieveResult.miss(held_tokens)
         arrays = [c.chunk.kv for c in chunks]
         order = {t.name: n for n, t in enumerate(self.tiered.tiers)}
         slowest = max((c.tier for c in chunks), key=lambda name: order.get(name, 0))
         if not join:
-            return RetrieveResult(sum(a.shape[3] for a in arrays), None, slowest, tuple(arrays))
+            return RetrieveResult(sum(a.shape[3] for a in arrays), None, slowest, tuple(arrays), held_tokens)
         total = sum(a.nbytes for a in arrays)
         if total > _ENCODE_IN_THREAD_BYTES:
             kv = await asyncio.to_thread(np.concatenate, arrays, 3)
         else:
             kv = np.concatenate(arrays, axis=3)
-        return RetrieveResult(kv.shape[3], kv, slowest)
+        return RetrieveResult(kv.shape[3], kv, slowest, (), held_tokens)
 
     def _consistent_prefix(self, found: list[FoundChunk]) -> list[FoundChunk]:
         """Leading chunks that are whole chunks of one KV format (a chunk written with another
@@ -204,6 +226,7 @@ class KVCacheEngine:
         skip_tokens: int = 0,
         on_written: PrefixWritten | None = None,
         every_tier: bool = False,
+        keys: Sequence[StoreKey] | None = None,
     ) -> None:
         """Save the full chunks of ``kv``, which covers ``tokens[0:kv.shape[3]]``.
 
@@ -220,10 +243,12 @@ class KVCacheEngine:
             on_written: told, once per tier whose write succeeded (possibly later, from the tier's
                 worker), how far the prompt now reaches in that tier. A tier that dropped the write
                 is not reported; when the fastest tier held every chunk, only it is reported.
+            keys: ``tokens``' chunk keys from :meth:`chunk_keys` (at least those ``kv`` covers),
+                when the caller has them already; computed here otherwise.
 
         Raises:
-            ValueError: ``kv`` is not (L, 2, H, T, D) with T ≤ len(tokens), or its dtype disagrees
-                with the bound KV dtype.
+            ValueError: ``kv`` is not (L, 2, H, T, D) with T ≤ len(tokens), its dtype disagrees
+                with the bound KV dtype, or ``keys`` are fewer than its chunks.
         """
         if kv.ndim != 5 or kv.shape[1] != 2:
             raise ValueError(f"kv must be shaped (L, 2, H, T, D), got {kv.shape}")
@@ -232,7 +257,13 @@ class KVCacheEngine:
         dtype = kv_dtype_name(kv)
         if self.kv_dtype and dtype != self.kv_dtype:
             raise ValueError(f"kv dtype is {dtype} but the store is bound to {self.kv_dtype}")
-        keys = self.chunk_keys(tokens[: kv.shape[3]], namespace)
+        num_chunks = kv.shape[3] // self.chunk_size
+        if keys is None:
+            keys = self.chunk_keys(tokens[: kv.shape[3]], namespace)
+        elif len(keys) < num_chunks:
+            raise ValueError(f"{len(keys)} chunk keys given for the {num_chunks} chunks kv covers")
+        else:
+            keys = list(keys[:num_chunks])
         first = max(0, skip_tokens) // self.chunk_size
         todo = list(range(first, len(keys)))
         if not todo:
@@ -269,7 +300,7 @@ class KVCacheEngine:
         vouch = [key for i, key in enumerate(keys) if i not in written]
         await self.tiered.put(items, self._prefix_reporter(keys, on_written), vouch)
 
-    def _prefix_reporter(self, keys: list[StoreKey], on_written: PrefixWritten) -> TierWritten:
+    def _prefix_reporter(self, keys: Sequence[StoreKey], on_written: PrefixWritten) -> TierWritten:
         """Turn a tier's "these keys are held" into "the prompt is held up to token ``end``": the
         run of chunks from the prompt's start it holds (a reader's prefix lookup stops at a gap)."""
         position = {key: i for i, key in enumerate(keys)}

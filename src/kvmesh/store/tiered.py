@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeAlias, TypeVar
 
+from kvmesh.core.tier_scan import PrefixScan
 from kvmesh.errors import CorruptChunkError, TierUnavailableError
 from kvmesh.store.backends.base import Backend, ChunkData
 from kvmesh.store.breaker import CircuitBreaker
@@ -131,6 +132,13 @@ class PrefixResult:
     """The longest run of leading chunks the tiers could serve."""
 
     chunks: list[FoundChunk]
+    num_held: int = -1
+    """Leading chunks the tiers said they held (fewer served: a chunk failed its checks or its
+    tier failed in between); ``-1``: the number of chunks served."""
+
+    def __post_init__(self) -> None:
+        if self.num_held < 0:
+            self.num_held = len(self.chunks)
 
     @property
     def num_chunks(self) -> int:
@@ -215,42 +223,47 @@ class TieredStore:
 
     async def count_prefix(self, keys: Sequence[StoreKey]) -> int:
         """How many leading ``keys`` some tier holds (no payload is read)."""
-        holder = await self._locate(keys)
-        n = 0
-        while n < len(keys) and holder[n] is not None:
-            n += 1
+        n = (await self._locate(keys)).num_held
         self.num_lookup_chunks += len(keys)
         self.num_lookup_hit_chunks += n
         return n
 
-    async def _locate(self, keys: Sequence[StoreKey]) -> list[int | None]:
-        """For each key, the index of the fastest reachable tier that holds it."""
-        holder: list[int | None] = [None] * len(keys)
+    async def _locate(self, keys: Sequence[StoreKey]) -> PrefixScan:
+        """One existence check per tier: for each key, the fastest reachable tier that holds it."""
+        scan = PrefixScan(len(keys))
         for t, tier in enumerate(self.tiers):
-            missing = [i for i, h in enumerate(holder) if h is None]
+            missing = scan.unresolved()
             if not missing:
                 break
             answer = await self._call(
                 tier, "exists", partial(tier.backend.exists_many, [keys[i] for i in missing])
             )
-            if answer is None:
-                continue
-            for i, present in zip(missing, answer, strict=True):
-                if present:
-                    holder[i] = t
-        return holder
+            if answer is not None:
+                scan.record(t, missing, answer)
+        return scan
 
-    async def get_prefix(self, keys: Sequence[StoreKey]) -> PrefixResult:
+    async def get_prefix(self, keys: Sequence[StoreKey], *, beyond: int = 0) -> PrefixResult:
         """Fetch the longest leading run of ``keys`` that the tiers can serve, verified.
+
+        Each tier is asked once which keys it holds, then each chunk is read once, from the
+        fastest tier holding it (from a slower one only when that read fails).
+
+        Args:
+            keys: consecutive chunks of one prompt, from its start.
+            beyond: read nothing unless the tiers hold more than this many leading chunks (the
+                caller has those already): the answer is then empty, with ``num_held`` set.
 
         Returns:
             The chunks in order; fewer than ``keys`` when a chunk is missing everywhere, fails
             verification everywhere, or sits only behind a failing tier.
         """
-        holder = await self._locate(keys)
-        bound = 0
-        while bound < len(keys) and holder[bound] is not None:
-            bound += 1
+        scan = await self._locate(keys)
+        bound = scan.num_held
+        self.num_lookup_chunks += len(keys)
+        self.num_lookup_hit_chunks += bound
+        if bound <= beyond:
+            return PrefixResult([], bound)
+        holder = scan.holder
         found: list[FoundChunk | None] = [None] * bound
         mine: dict[int, asyncio.Future[FoundChunk | None]] = {}
         theirs: dict[int, asyncio.Future[FoundChunk | None]] = {}
@@ -279,7 +292,7 @@ class TieredStore:
                 break
             chunks.append(item)
         await self._maybe_promote(keys, chunks)
-        return PrefixResult(chunks)
+        return PrefixResult(chunks, bound)
 
     async def _fetch(
         self,
