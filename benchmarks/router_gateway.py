@@ -172,14 +172,20 @@ class Procs:
 # ---------------------------------------------------------------------------- load
 
 
-def make_prompts(n: int, seed: int = 0, kind: str = "text") -> list[Any]:
-    """Shared system prefixes + distinct questions, as text or as token ids."""
+TOKENS_PER_RULE = 8.2
+"""SmolLM2 tokens per "Rule i: ...." sentence of the text prompts (measured)."""
+
+
+def make_prompts(n: int, seed: int = 0, kind: str = "text", prompt_tokens: int = 500) -> list[Any]:
+    """Shared system prefixes + distinct questions, as text or as token ids, of about
+    ``prompt_tokens`` tokens each."""
     rng = random.Random(seed)
+    num_rules = max(1, round((prompt_tokens - 10) / TOKENS_PER_RULE))
     if kind == "tokens":
-        systems_ids = [[rng.randrange(1000, 40_000) for _ in range(480)] for _ in range(8)]
+        systems_ids = [[rng.randrange(1000, 40_000) for _ in range(prompt_tokens - 20)] for _ in range(8)]
         return [rng.choice(systems_ids) + [rng.randrange(1000, 40_000) for _ in range(24)] for _ in range(n)]
     systems = [
-        f"You are assistant #{g}. " + " ".join(f"Rule {i}: {rng.choice(['be brief', 'cite sources', 'use SI units', 'no jargon'])}." for i in range(60))
+        f"You are assistant #{g}. " + " ".join(f"Rule {i}: {rng.choice(['be brief', 'cite sources', 'use SI units', 'no jargon'])}." for i in range(num_rules))
         for g in range(8)
     ]  # fmt: skip
     return [f"{rng.choice(systems)}\nQuestion {i}: what is {rng.randrange(10**6)} squared?" for i in range(n)]
@@ -265,6 +271,13 @@ def main(argv: list[str] | None = None) -> int:
         default="text",
         help="text prompts (kvmesh tokenizes them) or token-id prompts (passed through)",
     )
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=500, help="about this many tokens per prompt (default 500)"
+    )
+    parser.add_argument(
+        "--warmup-s", type=float, default=1.0, help="unmeasured load per target before each round"
+    )
+    parser.add_argument("--num-prompts", type=int, default=2000, help="distinct prompts cycled through")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.serve_backend:
@@ -325,11 +338,12 @@ def main(argv: list[str] | None = None) -> int:
             targets["sglang-router (cache_aware)"] = [f"http://127.0.0.1:{sg_port}"]
             pids["sglang-router (cache_aware)"] = sg_proc.pid
 
-        prompts = make_prompts(2000, kind=args.prompts)
+        prompts = make_prompts(args.num_prompts, kind=args.prompts, prompt_tokens=args.prompt_tokens)
         rounds: dict[str, list[dict[str, float]]] = {t: [] for t in targets}
         for _ in range(args.rounds):
             for name, urls in targets.items():
-                asyncio.run(closed_loop(urls, prompts, 4, 1.0))  # warm connections and caches
+                # warm connections and caches (the tokenizer learns shared prefixes from the first prompts)
+                asyncio.run(closed_loop(urls, prompts, 4, args.warmup_s))
                 cpu_before = cpu_seconds(pids[name]) if name in pids else 0.0
                 heavy = asyncio.run(closed_loop(urls, prompts, args.concurrency, args.duration))
                 cpu_used = cpu_seconds(pids[name]) - cpu_before if name in pids else 0.0

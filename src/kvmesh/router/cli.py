@@ -167,6 +167,11 @@ def _cmd_router(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.workers > 1 and config.port == 0:
+        print(
+            "kvmesh router: --workers needs a fixed --port (port 0 would give each its own)", file=sys.stderr
+        )
+        return 2
     followed = "".join(f", following {d.service}" for d in config.discovery)
     if args.workers == 1:
         return _serve(args, reuse_port=False, banner=f"{len(config.endpoints)} endpoints{followed}")
@@ -199,12 +204,18 @@ def _serve(args: argparse.Namespace, *, reuse_port: bool, banner: str | None) ->
     )
     try:
         config = _config_from_args(args)
-        tokenizer: PromptTokenizer | None = None
-        if config.tokenizer:
-            from kvmesh.core.tokens import Tokenizer
+        app: web.Application
+        if config.pools:
+            from kvmesh.router.pools import PooledRouter, load_pool_tokenizers
 
-            tokenizer = Tokenizer.load(config.tokenizer)
-        gateway = Gateway(config, tokenizer=tokenizer)
+            app = PooledRouter(config, tokenizers=load_pool_tokenizers(config)).app
+        else:
+            tokenizer: PromptTokenizer | None = None
+            if config.tokenizer:
+                from kvmesh.core.tokens import Tokenizer
+
+                tokenizer = Tokenizer.load(config.tokenizer)
+            app = Gateway(config, tokenizer=tokenizer).app
         loop = new_event_loop(args.loop)
     except (KVMeshError, yaml.YAMLError) as exc:
         print(f"kvmesh router: {exc}", file=sys.stderr)
@@ -212,7 +223,7 @@ def _serve(args: argparse.Namespace, *, reuse_port: bool, banner: str | None) ->
     if banner is not None:
         print(f"kvmesh router on http://{config.host}:{config.port} → {banner}", file=sys.stderr)
     web.run_app(
-        gateway.app,
+        app,
         host=config.host,
         port=config.port,
         print=None,
