@@ -21,7 +21,7 @@ from kvmesh.router.lora_state import (
     requested_adapter,
 )
 from kvmesh.router.plugins.base import PluginContext
-from kvmesh.router.plugins.lora import LoraAffinityFilter, LoraAffinityScorer, Saturation
+from kvmesh.router.plugins.lora import AdapterPlacer, LoraAffinityFilter, LoraAffinityScorer, Saturation
 from kvmesh.router.plugins.registry import build_plugin
 from kvmesh.router.scheduler import Scheduler, load_scheduler_config
 from kvmesh.router.types import EndpointState, RoutingRequest
@@ -90,7 +90,11 @@ def test_requested_adapter_needs_an_endpoint_that_serves_it():
     assert requested_adapter(None, "base", endpoints) == ""
 
 
-FILTER = LoraAffinityFilter(Saturation(max_waiting=4, kv_cache_threshold=0.9))
+def new_filter() -> LoraAffinityFilter:
+    return LoraAffinityFilter(AdapterPlacer(Saturation(max_waiting=4, kv_cache_threshold=0.9)))
+
+
+FILTER = new_filter()
 
 
 def pods(endpoints: list[EndpointState]) -> list[str]:
@@ -128,6 +132,35 @@ def test_filter_prefers_a_saturated_holder_to_a_swap():
     assert pods(FILTER.filter(request_for("sql"), endpoints[1:])) == ["full"]
 
 
+def test_an_adapter_sent_before_the_next_scrape_counts_as_active():
+    flt = new_filter()
+    endpoints = [
+        lora_endpoint("a", servable={"sql", "poem"}, max_lora=1),
+        lora_endpoint("b", servable={"sql"}),
+    ]
+    assert pods(flt.filter(request_for("sql"), endpoints)) == ["a", "b"]
+    flt.observe(request_for("sql"), "b")
+    # a burst of the same adapter follows the first request, before any scrape shows it
+    assert pods(flt.filter(request_for("sql"), endpoints)) == ["b"]
+    flt.observe(request_for("poem"), "a")
+    # "a" has one slot, now taken by poem: sql would have to swap there
+    assert pods(flt.filter(request_for("sql"), endpoints)) == ["b"]
+    # the next scrape (a new state object) says what really runs; the notes taken before it lapse
+    endpoints[1].lora = LoraState(max_lora=2, servable=frozenset({"sql"}))
+    endpoints[0].lora = LoraState(max_lora=1, servable=frozenset({"sql", "poem"}))
+    assert pods(flt.filter(request_for("sql"), endpoints)) == ["a", "b"]
+
+
+def test_the_scheduler_tells_the_filter_where_it_sent_an_adapter():
+    scheduler = Scheduler.from_config(load_scheduler_config("load"))
+    endpoints = [lora_endpoint("a", servable={"sql"}), lora_endpoint("b", servable={"sql"})]
+    first = scheduler.pick(request_for("sql"), endpoints)
+    assert first is not None and sorted(first.ranked) == ["a", "b"]
+    for _ in range(3):
+        again = scheduler.pick(request_for("sql"), endpoints)
+        assert again is not None and again.ranked == [first.endpoint]
+
+
 def test_filter_passes_base_requests_and_unknown_adapters():
     endpoints = [lora_endpoint("a", servable={"sql"}), EndpointState(pod="b")]
     assert pods(FILTER.filter(request_for(""), endpoints)) == ["a", "b"]
@@ -135,7 +168,7 @@ def test_filter_passes_base_requests_and_unknown_adapters():
 
 
 def test_scorer_ranks_loaded_then_free_slot_then_saturated_then_swap():
-    scorer = LoraAffinityScorer(Saturation(max_waiting=4, kv_cache_threshold=0.9))
+    scorer = LoraAffinityScorer(AdapterPlacer(Saturation(max_waiting=4, kv_cache_threshold=0.9)))
     endpoints = [
         lora_endpoint("loaded", servable={"sql"}, running={"sql"}),
         lora_endpoint("free", servable={"sql"}),
@@ -152,9 +185,9 @@ def test_plugins_build_from_yaml_parameters():
     ctx = PluginContext()
     scorer = build_plugin("lora-affinity-scorer", "s", {"maxWaiting": 1, "freeSlot": 0.9}, ctx)
     assert isinstance(scorer, LoraAffinityScorer)
-    assert scorer.saturation.max_waiting == 1 and scorer.free_slot == 0.9
+    assert scorer.placer.saturation.max_waiting == 1 and scorer.free_slot == 0.9
     flt = build_plugin("lora-affinity-filter", "f", {"kvCacheThreshold": 0.5}, ctx)
-    assert isinstance(flt, LoraAffinityFilter) and flt.saturation.kv_cache_threshold == 0.5
+    assert isinstance(flt, LoraAffinityFilter) and flt.placer.saturation.kv_cache_threshold == 0.5
     with pytest.raises(ConfigError, match="swap must be <= 1"):
         build_plugin("lora-affinity-scorer", "s", {"swap": 2}, ctx)
     with pytest.raises(ConfigError, match="unknown parameters"):
@@ -181,6 +214,7 @@ class LoraEngine:
         self.adapters = adapters
         self.running = running
         self.model_reads = 0
+        self.lora_on = True
         self.runner: web.AppRunner | None = None
         self.url = ""
 
@@ -201,13 +235,12 @@ class LoraEngine:
             await self.runner.cleanup()
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(
-            text=(
-                f'vllm:lora_requests_info{{max_lora="1",running_lora_adapters="{self.running}",'
-                f'waiting_lora_adapters=""}} 1.7e9\n'
-                'vllm:num_requests_running{model_name="base"} 1\n'
-            )
+        lora = (
+            f'vllm:lora_requests_info{{max_lora="1",running_lora_adapters="{self.running}",'
+            f'waiting_lora_adapters=""}} 1.7e9\n'
         )
+        load = 'vllm:num_requests_running{model_name="base"} 1\n'
+        return web.Response(text=lora + load if self.lora_on else load)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response()
@@ -245,6 +278,10 @@ async def test_pool_reads_adapters_from_metrics_and_model_list():
                 "poem",
                 "new",
             ]
+            # restarted without LoRA: its adapters are forgotten
+            engines[0].lora_on = False
+            await pool._scrape(first)
+            assert first.state.lora is None and first.models == []
     finally:
         for engine in engines:
             await engine.stop()

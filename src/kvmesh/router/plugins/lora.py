@@ -6,16 +6,21 @@ filter keeps every endpoint and the scorer gives every endpoint 1.
 
 An endpoint is *saturated* when more than ``maxWaiting`` requests queue there or its KV cache is
 fuller than ``kvCacheThreshold``. An adapter is *active* on an endpoint when requests with it run or
-wait there (``vllm:lora_requests_info``); an endpoint has a *free slot* when fewer than ``max_lora``
-adapters are active, so one more joins the batch without waiting for another to drain.
+wait there (``vllm:lora_requests_info``), or when this profile sent it one since the endpoint's last
+metrics scrape: a burst of one adapter's requests then stays on the endpoint the first one chose
+instead of loading the adapter everywhere before the metrics catch up. An endpoint has a *free slot*
+when fewer than ``max_lora`` adapters are active, so one more joins the batch without waiting for
+another to drain.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 
+from kvmesh.core.types import PodId
 from kvmesh.router.lora_state import LoraState
-from kvmesh.router.plugins.base import Filter, Params, PluginContext, Scorer
+from kvmesh.router.plugins.base import Filter, Observer, Params, PluginContext, Scorer
 from kvmesh.router.types import EndpointState, RoutingRequest
 
 
@@ -31,8 +36,69 @@ class Saturation:
         return endpoint.waiting > self.max_waiting or endpoint.kv_cache_usage > self.kv_cache_threshold
 
 
-def _servers(adapter: str, endpoints: list[EndpointState]) -> list[tuple[EndpointState, LoraState]]:
-    return [(e, e.lora) for e in endpoints if e.lora is not None and e.lora.can_serve(adapter)]
+class Placement(enum.IntEnum):
+    """Where an adapter's request would land on one endpoint, best last."""
+
+    NOT_SERVED = 0
+    SWAP = 1
+    LOADED_SATURATED = 2
+    FREE_SLOT = 3
+    LOADED = 4
+
+
+@dataclass(slots=True)
+class SentAdapters:
+    """Adapters sent to each endpoint since its last scrape.
+
+    The pool replaces an endpoint's :class:`LoraState` on every scrape, so a note lives exactly as
+    long as the state object it was taken against: no clock needed.
+    """
+
+    _notes: dict[PodId, tuple[LoraState, set[str]]] = field(default_factory=dict)
+    _seen: dict[PodId, LoraState] = field(default_factory=dict)
+
+    def active(self, pod: PodId, lora: LoraState) -> frozenset[str]:
+        """``lora``'s active adapters plus those sent to ``pod`` since ``lora`` was scraped."""
+        self._seen[pod] = lora
+        note = self._notes.get(pod)
+        if note is None or note[0] is not lora:
+            return lora.active
+        return lora.active | note[1]
+
+    def record(self, adapter: str, pod: PodId) -> None:
+        """Note that a request for ``adapter`` went to ``pod``."""
+        lora = self._seen.get(pod)
+        if not adapter or lora is None:
+            return
+        note = self._notes.get(pod)
+        if note is None or note[0] is not lora:
+            self._notes[pod] = (lora, {adapter})
+        else:
+            note[1].add(adapter)
+
+
+@dataclass(slots=True)
+class AdapterPlacer:
+    """Classifies endpoints for an adapter's request; shared logic of the filter and the scorer."""
+
+    saturation: Saturation
+    sent: SentAdapters = field(default_factory=SentAdapters)
+
+    def place(self, adapter: str, endpoint: EndpointState) -> Placement:
+        """Where ``adapter`` would land on ``endpoint``."""
+        lora = endpoint.lora
+        if lora is None or not lora.can_serve(adapter):
+            return Placement.NOT_SERVED
+        active = self.sent.active(endpoint.pod, lora)
+        if adapter in active:
+            return Placement.LOADED_SATURATED if self.saturation.of(endpoint) else Placement.LOADED
+        if lora.max_lora > 0 and len(active) >= lora.max_lora:
+            return Placement.SWAP
+        return Placement.LOADED_SATURATED if self.saturation.of(endpoint) else Placement.FREE_SLOT
+
+    def observe(self, request: RoutingRequest, pod: PodId) -> None:
+        """Record that ``request`` went to ``pod``."""
+        self.sent.record(request.namespace.lora, pod)
 
 
 @dataclass(slots=True)
@@ -42,45 +108,40 @@ class LoraAffinityFilter:
     1. endpoints with the adapter active that are not saturated;
     2. else endpoints that serve the adapter, have a free slot and are not saturated (spreading
        the adapter);
-    3. else endpoints with the adapter active (saturated, but no swap);
+    3. else endpoints with the adapter active (saturated, but no swap), and saturated endpoints with
+       a free slot;
     4. else every endpoint that serves the adapter (each must swap one out).
 
     When no endpoint lists the adapter, every endpoint is kept and the engine answers.
     """
 
-    saturation: Saturation
+    placer: AdapterPlacer
 
     def filter(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[EndpointState]:
         adapter = request.namespace.lora
         if not adapter:
             return endpoints
-        servers = _servers(adapter, endpoints)
-        if not servers:
+        placed = [(e, self.placer.place(adapter, e)) for e in endpoints]
+        best = max(p for _, p in placed)
+        if best is Placement.NOT_SERVED:
             return endpoints
-        saturated = self.saturation.of
-        active = [e for e, lora in servers if adapter in lora.active]
-        hot = [e for e in active if not saturated(e)]
-        if hot:
-            return hot
-        free = [
-            e
-            for e, lora in servers
-            if adapter not in lora.active and lora.has_free_slot() and not saturated(e)
-        ]
-        if free:
-            return free
-        return active or [e for e, _ in servers]
+        return [e for e, p in placed if p == best]
+
+    def observe(self, request: RoutingRequest, pod: PodId) -> None:
+        """Count the adapter active on ``pod`` until its next scrape."""
+        self.placer.observe(request, pod)
 
 
 @dataclass(slots=True)
 class LoraAffinityScorer:
     """Scores an adapter's request per endpoint: ``loaded`` where the adapter is active and the
-    endpoint not saturated, ``loadedSaturated`` where it is active but saturated, ``freeSlot`` where
-    the adapter would take a free slot, ``swap`` where every slot holds another adapter, and 0 where
-    the endpoint does not serve it. With the defaults a saturated holder ranks below an endpoint
-    with a free slot, which spreads the adapter."""
+    endpoint not saturated, ``freeSlot`` where the adapter would take a free slot,
+    ``loadedSaturated`` where the endpoint is saturated (and holds the adapter or has a slot),
+    ``swap`` where every slot holds another adapter, and 0 where the endpoint does not serve it.
+    With the defaults a saturated holder ranks below an endpoint with a free slot, which spreads the
+    adapter."""
 
-    saturation: Saturation
+    placer: AdapterPlacer
     loaded: float = 1.0
     loaded_saturated: float = 0.4
     free_slot: float = 0.6
@@ -95,15 +156,18 @@ class LoraAffinityScorer:
         adapter = request.namespace.lora
         if not adapter:
             return [1.0] * len(endpoints)
-        return [self._score_one(adapter, e) for e in endpoints]
+        values = {
+            Placement.NOT_SERVED: 0.0,
+            Placement.SWAP: self.swap,
+            Placement.LOADED_SATURATED: self.loaded_saturated,
+            Placement.FREE_SLOT: self.free_slot,
+            Placement.LOADED: self.loaded,
+        }
+        return [values[self.placer.place(adapter, e)] for e in endpoints]
 
-    def _score_one(self, adapter: str, endpoint: EndpointState) -> float:
-        lora = endpoint.lora
-        if lora is None or not lora.can_serve(adapter):
-            return 0.0
-        if adapter in lora.active:
-            return self.loaded_saturated if self.saturation.of(endpoint) else self.loaded
-        return self.free_slot if lora.has_free_slot() else self.swap
+    def observe(self, request: RoutingRequest, pod: PodId) -> None:
+        """Count the adapter active on ``pod`` until its next scrape."""
+        self.placer.observe(request, pod)
 
 
 def _saturation(params: Params) -> Saturation:
@@ -121,12 +185,12 @@ def _unit(params: Params, key: str, default: float) -> float:
 
 
 def make_lora_affinity_filter(name: str, params: Params, ctx: PluginContext) -> LoraAffinityFilter:
-    return LoraAffinityFilter(_saturation(params))
+    return LoraAffinityFilter(AdapterPlacer(_saturation(params)))
 
 
 def make_lora_affinity_scorer(name: str, params: Params, ctx: PluginContext) -> LoraAffinityScorer:
     return LoraAffinityScorer(
-        _saturation(params),
+        AdapterPlacer(_saturation(params)),
         loaded=_unit(params, "loaded", 1.0),
         loaded_saturated=_unit(params, "loadedSaturated", 0.4),
         free_slot=_unit(params, "freeSlot", 0.6),
@@ -134,5 +198,5 @@ def make_lora_affinity_scorer(name: str, params: Params, ctx: PluginContext) -> 
     )
 
 
-def _conforms(f: LoraAffinityFilter, s: LoraAffinityScorer) -> tuple[Filter, Scorer]:
-    return f, s
+def _conforms(f: LoraAffinityFilter, s: LoraAffinityScorer) -> tuple[Filter, Scorer, Observer, Observer]:
+    return f, s, f, s
