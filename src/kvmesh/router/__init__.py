@@ -14,6 +14,8 @@ from kvmesh.router.index import BlockIndex, IndexStats, InMemoryIndex, Instrumen
 from kvmesh.router.ingest import EventApplier, IngestStats
 from kvmesh.router.intake import EventIntake
 from kvmesh.router.keymemo import BlockKeyMemo
+from kvmesh.router.pool_config import PoolConfig
+from kvmesh.router.pools import PooledRouter
 from kvmesh.router.prefix import match_prefix
 from kvmesh.router.redis_index import RedisIndex
 from kvmesh.router.scheduler import Scheduler, load_scheduler_config
@@ -39,6 +41,8 @@ __all__ = [
     "InstrumentedIndex",
     "MediumSet",
     "PodMatch",
+    "PoolConfig",
+    "PooledRouter",
     "PrefixMatch",
     "RedisIndex",
     "Role",

@@ -161,7 +161,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
     except (KVMeshError, yaml.YAMLError) as exc:
         print(f"kvmesh router: {exc}", file=sys.stderr)
         return 2
-    if not config.endpoints and not config.discovery:
+    if not config.endpoints and not config.discovery and not config.pools:
         print(
             "kvmesh router: no endpoints (give --endpoints, or endpoints: or discovery: in --config)",
             file=sys.stderr,
@@ -173,6 +173,8 @@ def _cmd_router(args: argparse.Namespace) -> int:
         )
         return 2
     followed = "".join(f", following {d.service}" for d in config.discovery)
+    if config.pools:
+        followed = f" in pools {', '.join(p.name for p in config.pools)}"
     if args.workers == 1:
         return _serve(args, reuse_port=False, banner=f"{len(config.endpoints)} endpoints{followed}")
     import functools

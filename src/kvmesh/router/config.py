@@ -21,6 +21,7 @@
     endpoints:
       - {url: "http://127.0.0.1:8001"}
       - {url: "http://10.0.0.7:8000", role: decode, eventsEndpoint: "tcp://10.0.0.7:5557"}
+    pools: []              # several models behind one gateway: kvmesh.router.pool_config
 
 Keys are camelCase as in llm-d's configs; unknown keys are rejected.
 """
@@ -40,6 +41,7 @@ from kvmesh.router.cache_explain import CacheReportConfig
 from kvmesh.router.discovery import DnsDiscoveryConfig
 from kvmesh.router.endpoints import EndpointConfig
 from kvmesh.router.flow_control import FlowControlConfig
+from kvmesh.router.pool_config import PoolConfig, check_pools
 
 ADMIN_TOKEN_ENV = "KVMESH_ROUTER_ADMIN_TOKEN"
 
@@ -143,6 +145,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     :mod:`kvmesh.router.prefix_tokens`."""
     seed: int | None = None
     """Seeds the scheduler's random source (ties, random policies)."""
+    pools: list[PoolConfig] = msgspec.field(default_factory=list)
+    """Several served models behind this gateway, one pool each (see
+    :mod:`kvmesh.router.pool_config`); empty: the top-level keys are the one pool."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -174,6 +179,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
             raise ConfigError(f"maxAttempts must be >= 1, got {self.max_attempts}")
         if self.admin_token is None:
             self.admin_token = os.environ.get(ADMIN_TOKEN_ENV) or None
+        check_pools(self.pools, has_top_level_endpoints=bool(self.endpoints or self.discovery))
 
 
 def router_config_from_dict(raw: Any) -> RouterConfig:
