@@ -83,16 +83,21 @@ class CacheUsage:
 
     @classmethod
     def from_usage(cls, usage: Any) -> CacheUsage | None:
-        """Read an OpenAI ``usage`` object; ``None`` when it has no integer ``cached_tokens``."""
+        """Read an OpenAI ``usage`` object (chat and completions, or ``/v1/responses``'
+        ``input_tokens``) or an Anthropic one (``cache_read_input_tokens``); ``None`` when it has
+        no integer cached-token count."""
         if not isinstance(usage, Mapping):
             return None
-        details = usage.get("prompt_tokens_details")
+        if "cache_read_input_tokens" in usage:
+            return _anthropic_usage(usage)
+        responses = "input_tokens_details" in usage
+        details = usage.get("input_tokens_details" if responses else "prompt_tokens_details")
         if not isinstance(details, Mapping):
             return None
         cached = details.get("cached_tokens")
         if type(cached) is not int or cached < 0:
             return None
-        prompt = usage.get("prompt_tokens")
+        prompt = usage.get("input_tokens" if responses else "prompt_tokens")
         raw_tiers = details.get(CACHED_BY_TIER_FIELD)
         by_tier = (
             {str(t): n for t, n in raw_tiers.items() if type(n) is int and n > 0}
@@ -115,3 +120,13 @@ class CacheUsage:
         if self.store_fault:
             details[STORE_FAULT_FIELD] = True
         return details
+
+
+def _anthropic_usage(usage: Mapping[str, Any]) -> CacheUsage | None:
+    """Anthropic's usage: ``input_tokens`` excludes the cache reads and writes."""
+    cached = usage.get("cache_read_input_tokens")
+    fresh = usage.get("input_tokens")
+    written = usage.get("cache_creation_input_tokens") or 0
+    if type(cached) is not int or cached < 0 or type(fresh) is not int or type(written) is not int:
+        return None
+    return CacheUsage(cached, cached + fresh + written, {}, False)

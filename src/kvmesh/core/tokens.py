@@ -80,8 +80,15 @@ class Tokenizer:
         """Text of ``ids``; incomplete UTF-8 at the end comes out as U+FFFD."""
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> str:
-        """The chat rendered by the model's chat template.
+    def render_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The chat rendered by the model's chat template (``tools``: OpenAI function tools the
+        template may list; templates that do not use them ignore them).
 
         Raises:
             RequestError: the messages are malformed or the model has no chat template.
@@ -97,7 +104,10 @@ class Tokenizer:
 
         try:
             text = self._tok.apply_chat_template(
-                [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=False
+                [dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                tools=[dict(t) for t in tools] if tools else None,
             )
         except TemplateError as exc:  # UndefinedError, the template's raise_exception, ...
             raise RequestError(f"chat template failed on these messages: {exc}", param="messages") from exc
@@ -110,12 +120,15 @@ class Tokenizer:
         return str(text)
 
     def apply_chat_template(
-        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of a chat: rendered with the model's template, encoded without extra specials."""
-        return self.encode(
-            self.render_chat(messages, add_generation_prompt=add_generation_prompt), add_special_tokens=False
-        )
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        return self.encode(text, add_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
         """The vocabulary string of one id (special tokens included), e.g. for logprob listings."""

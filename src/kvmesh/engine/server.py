@@ -35,6 +35,7 @@ from kvmesh.core.cache_usage import ENGINE_CACHED_HEADER, CacheUsage
 from kvmesh.core.pins import KVMESH_FIELD
 from kvmesh.core.tenancy import Role, resolve_tenant
 from kvmesh.core.tokens import Tokenizer
+from kvmesh.engine.agent_api import AgentApi, AgentFrames
 from kvmesh.engine.core import EngineCore
 from kvmesh.engine.detokenizer import StopMatcher, StreamDetokenizer
 from kvmesh.engine.facts import EngineFacts
@@ -159,6 +160,7 @@ class EngineServer:
         r.add_post("/v1/chat/completions", self.chat_completions)
         InfoApi(self, self.metrics, core).register(r)
         PeerApi(self).register(r)
+        AgentApi(self).register(r)
         self._runner: web.AppRunner | None = None
         self.host = ""
         self.port = 0
@@ -242,6 +244,13 @@ class EngineServer:
         ids = self.tokenizer.apply_chat_template(flatten_messages(body.messages))
         return await self._generate(request, body, [ids], chat=True)
 
+    async def generate_chat(
+        self, request: web.Request, body: ChatCompletionRequest, ids: list[int], frames: AgentFrames
+    ) -> web.StreamResponse:
+        """Run one chat prompt's ``ids`` and answer in ``frames``' API shape (``/v1/responses``,
+        ``/v1/messages``)."""
+        return await self._generate(request, body, [ids], chat=True, frames=frames)
+
     async def _generate(
         self,
         request: web.Request,
@@ -249,6 +258,7 @@ class EngineServer:
         ids_list: list[list[int]],
         *,
         chat: bool,
+        frames: AgentFrames | None = None,
     ) -> web.StreamResponse:
         arrival = time.monotonic()
         limits = Limits(self.max_model_len, self.vocab_size, None if chat else 16)
@@ -275,8 +285,8 @@ class EngineServer:
                 choices.append(_Choice(i, req, StreamDetokenizer(self.tokenizer), StopMatcher(stops)))
             await asyncio.gather(*(self.core.add_request(c.req) for c in choices))
             if body.stream:
-                return await self._stream(request, body, rid, choices[0], chat=chat)
-            return await self._collect(request, body, rid, choices, chat=chat)
+                return await self._stream(request, body, rid, choices[0], chat=chat, frames=frames)
+            return await self._collect(request, body, rid, choices, chat=chat, frames=frames)
         finally:
             for c in choices:
                 self.core.abort(c.req.request_id)
@@ -324,6 +334,7 @@ class EngineServer:
         choices: list[_Choice],
         *,
         chat: bool,
+        frames: AgentFrames | None = None,
     ) -> web.StreamResponse:
         for choice in choices:
             while choice.finish_reason is None:
@@ -364,7 +375,7 @@ class EngineServer:
         transfer = self._transfer_params(choices[0])
         if transfer is not None:
             result["kv_transfer_params"] = transfer
-        return _ok(result)
+        return _ok(result if frames is None else frames.complete(result))
 
     async def _maybe_wait_store(self, choice: _Choice) -> None:
         """A prefill-role request returns only once its KV is in the store."""
@@ -401,6 +412,7 @@ class EngineServer:
         choice: _Choice,
         *,
         chat: bool,
+        frames: AgentFrames | None = None,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": rid}
@@ -433,6 +445,13 @@ class EngineServer:
                 if reason == "error":
                     raise RuntimeError(f"engine failed request {choice.req.request_id}")
                 text = self._apply(choice, tokens, reason)
+                if frames is not None:
+                    if first:
+                        await resp.write(frames.opening(self._usage([choice])))
+                    await resp.write(frames.delta(text))
+                    first = False
+                    last_flush = time.monotonic()
+                    continue
                 if chat:
                     delta: dict[str, Any] = {"content": text}
                     if first:
@@ -461,6 +480,11 @@ class EngineServer:
                 first = False
                 last_flush = time.monotonic()
             self._observe(choice)
+            if frames is not None:
+                await self._maybe_wait_store(choice)
+                await resp.write(frames.closing(choice.finish_reason, self._usage([choice])))
+                await resp.write_eof()
+                return resp
             if include_usage:
                 usage = {"id": rid, "object": kind, "created": created, "model": model, "choices": [],
                          "usage": self._usage([choice])}  # fmt: skip

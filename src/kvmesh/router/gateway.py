@@ -15,7 +15,8 @@ the tenant came from ``x-tenant-id`` (so vLLM pods salt their blocks too) and
 ``x-request-id`` (the client's, or one the router assigns) and ``x-kvmesh-cache`` (cached and
 prompt tokens, and why the rest missed: :mod:`kvmesh.router.cache_report`).
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` and
+``POST /v1/messages`` (:mod:`kvmesh.core.agent_apis`), ``GET /v1/models``,
 ``GET /health``, ``GET /metrics``, ``POST /v1/kvmesh/prewarm`` (:mod:`kvmesh.router.prewarm`) and
 the admin API (:mod:`kvmesh.router.admin`).
 """
@@ -34,6 +35,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvmesh.core.agent_apis import PromptApi
 from kvmesh.core.cache_usage import REQUEST_ID_HEADER
 from kvmesh.core.hashing import HashAlgo
 from kvmesh.core.tenancy import ENDPOINT_HEADER as ENDPOINT_HEADER
@@ -41,6 +43,7 @@ from kvmesh.core.tenancy import SESSION_HEADER, TENANT_HEADER
 from kvmesh.core.types import PodId
 from kvmesh.errors import RequestError, TierUnavailableError
 from kvmesh.router.admin import AdminApi
+from kvmesh.router.agent_routes import api_error, maybe_unserved_api
 from kvmesh.router.cache_memory import RememberingIndex, prompt_texts
 from kvmesh.router.cache_report import CacheReasonCollector, CacheReporter
 from kvmesh.router.config import RouterConfig
@@ -193,6 +196,8 @@ class Gateway:
         app = web.Application(client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post(PromptApi.RESPONSES.path, self._responses)
+        app.router.add_post(PromptApi.MESSAGES.path, self._messages)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -377,6 +382,17 @@ class Gateway:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return self._maybe_record_pin(request, await self._route(request, chat=True))
 
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle(request, PromptApi.RESPONSES)
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle(request, PromptApi.MESSAGES)
+
+    async def handle(self, request: web.Request, api: PromptApi) -> web.StreamResponse:
+        """Route one request of ``api`` (the entry point a pooled router dispatches to)."""
+        response = self._maybe_record_pin(request, await self._route(request, chat=api.is_chat, api=api))
+        return maybe_unserved_api(api, response, response.headers.get(ENDPOINT_HEADER))
+
     def _maybe_record_pin(self, request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
         """Keep a pinned prompt's blocks in the index once an engine accepted the request."""
         asked = request.get(_PIN_KEY)
@@ -385,7 +401,9 @@ class Gateway:
             self.pinned.pin(self.scheduler.hasher(routing.namespace).hash_blocks(routing.tokens), ttl_s)
         return response
 
-    async def _route(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+    async def _route(
+        self, request: web.Request, *, chat: bool, api: PromptApi | None = None
+    ) -> web.StreamResponse:
         started = time.perf_counter()
         try:
             raw = await request.read()
@@ -393,10 +411,12 @@ class Gateway:
             return error_response(413, f"request body larger than {self.config.max_body_bytes} bytes")
         try:
             parsed = await self.parser.parse(
-                raw, request.headers, chat=chat, model=self.model, revision=self.revision
+                raw, request.headers, chat=chat, model=self.model, revision=self.revision, api=api
             )
         except RequestError as exc:
             self.metrics.errors.labels("bad_request").inc()
+            if api is not None:
+                return api_error(api, exc.status, exc.message, param=exc.param)
             return error_response(exc.status, exc.message, param=exc.param)
         routing = parsed.routing
         if self.pool is not None and (

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from kvmesh.core.agent_apis import PromptApi, chat_input
 from kvmesh.core.hashing import Namespace, as_token_array
 from kvmesh.core.pins import check_pin_ttl, requested_pin_ttl, with_pin_ttl
 from kvmesh.core.tenancy import CACHE_SALT_FIELD, SESSION_HEADER, resolve_tenant
@@ -77,7 +78,14 @@ class RequestParser:
         self._ids = itertools.count()
 
     async def parse(
-        self, raw: bytes, headers: Mapping[str, str], *, chat: bool, model: str | None, revision: str | None
+        self,
+        raw: bytes,
+        headers: Mapping[str, str],
+        *,
+        chat: bool,
+        model: str | None,
+        revision: str | None,
+        api: PromptApi | None = None,
     ) -> ParsedRequest:
         """Turn one request into a :class:`ParsedRequest`.
 
@@ -85,13 +93,17 @@ class RequestParser:
             raw: the request body.
             headers: the request headers (case-insensitive).
             chat: a ``/v1/chat/completions`` body (else ``/v1/completions``).
+            api: the body's format where it is ``/v1/responses`` or ``/v1/messages`` (rendered
+                with the chat template, tools included, as the engine renders it); overrides ``chat``.
             model: the namespace model (``None``: the body's ``model``).
             revision: the namespace model revision.
 
         Raises:
             RequestError: the body or the tenant is invalid.
         """
-        body, pending = self._validate(raw, chat=chat)
+        if api is None:
+            api = PromptApi.CHAT if chat else PromptApi.COMPLETIONS
+        body, pending = self._validate(raw, api)
         tenant = resolve_tenant(headers, body.get(CACHE_SALT_FIELD))
         pin_ttl_s = requested_pin_ttl(headers, body)
         if pin_ttl_s is not None:
@@ -121,7 +133,7 @@ class RequestParser:
         )
         return ParsedRequest(body, raw, tenant, routing, pin_ttl_s)
 
-    def _validate(self, raw: bytes, *, chat: bool) -> tuple[dict[str, Any], _Tokens]:
+    def _validate(self, raw: bytes, api: PromptApi) -> tuple[dict[str, Any], _Tokens]:
         """Validate a body; returns it with its token ids, or a call that tokenizes its text."""
         if not raw:
             raise RequestError("request body is empty; expected a JSON object")
@@ -144,7 +156,9 @@ class RequestParser:
         salt = body.get(CACHE_SALT_FIELD)
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise RequestError("'cache_salt' must be a non-empty string", param=CACHE_SALT_FIELD)
-        if chat:
+        if api is PromptApi.RESPONSES or api is PromptApi.MESSAGES:
+            return body, self._agent_tokens(api, body)
+        if api is PromptApi.CHAT:
             return body, self._chat_tokens(body.get("messages"))
         return body, self._prompt_tokens(body.get("prompt", None), "prompt" in body)
 
@@ -187,6 +201,14 @@ class RequestParser:
         if tokenizer is None:
             return _NO_TOKENS
         return lambda: tokenizer.apply_chat_template(messages)
+
+    def _agent_tokens(self, api: PromptApi, body: dict[str, Any]) -> _Tokens:
+        converted = chat_input(api, body)
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return _NO_TOKENS
+        tools: dict[str, Any] = {"tools": converted.tools} if converted.tools else {}
+        return lambda: tokenizer.apply_chat_template(converted.messages, **tools)
 
 
 _NO_TOKENS = as_token_array([])

@@ -48,8 +48,8 @@ class FastPromptTokenizer(PromptTokenizer, Protocol):
         """The ``tokenizers`` object behind it, where it has one."""
         ...
 
-    def render_chat(self, messages: Any, *, add_generation_prompt: bool = True) -> str:
-        """The chat template's text for ``messages``."""
+    def render_chat(self, messages: Any, *, add_generation_prompt: bool = True, tools: Any = None) -> str:
+        """The chat template's text for ``messages`` (and function ``tools``)."""
         ...
 
 
@@ -101,10 +101,14 @@ class CachedTokenizer:
             self._store(key, len(text), ids)
         return ids
 
-    def apply_chat_template(self, messages: Any, *, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a chat (same as the wrapped tokenizer's ``apply_chat_template``)."""
+    def apply_chat_template(
+        self, messages: Any, *, add_generation_prompt: bool = True, tools: Any = None
+    ) -> list[int]:
+        """Token ids of a chat (same as the wrapped tokenizer's ``apply_chat_template``); ``tools``
+        (OpenAI function tools) are handed to the chat template only when there are some, so
+        tokenizers that take no tools serve tool-free chats."""
         try:
-            raw = msgspec.json.encode(messages)
+            raw = msgspec.json.encode([messages, tools] if tools else messages)
         except (TypeError, msgspec.EncodeError):
             raw = b""
         key = (2 + int(add_generation_prompt), raw)
@@ -113,10 +117,18 @@ class CachedTokenizer:
         if ids is None:
             if self._fast is not None and self._backend is not None:
                 # What Tokenizer.apply_chat_template does, with the fast encode.
-                text = self._fast.render_chat(messages, add_generation_prompt=add_generation_prompt)
+                text = self._fast.render_chat(
+                    messages,
+                    add_generation_prompt=add_generation_prompt,
+                    **({"tools": tools} if tools else {}),
+                )
                 ids = self._encode(text, False)
             else:
-                ids = self.inner.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+                ids = self.inner.apply_chat_template(
+                    messages,
+                    add_generation_prompt=add_generation_prompt,
+                    **({"tools": tools} if tools else {}),
+                )
             self._store(key, size, ids)
         return ids
 
