@@ -12,7 +12,7 @@
         namespace: "kvmesh:idx:chat:"   # Redis key prefix of this pool's index
         flowControl: {enabled: true}
         endpoints: [{url: "http://10.0.0.5:8000"}]
-        discovery: [{name: chat-engines.default.svc.cluster.local, port: 8000}]
+        discovery: [{service: chat-engines.default.svc.cluster.local, port: 8000}]
 
 Every key but ``name`` and ``model`` falls back to the router's top-level value. A config without
 ``pools`` is one pool, made of its top-level keys, and runs as before.
