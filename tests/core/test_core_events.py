@@ -228,6 +228,21 @@ def test_lenient_map_events_take_defaults():
     assert normalize_event(("AllBlocksCleared", "extra")) == AllBlocksCleared()
 
 
+@settings(max_examples=200, deadline=None)
+@given(ev=st.one_of(stored, removed), keep=st.sets(st.integers(min_value=1, max_value=13)))
+def test_map_events_missing_any_field_but_block_hashes_take_the_public_defaults(ev, keep):
+    """Every public field but ``block_hashes`` may be missing from a map event: each missing one
+    takes its default (vLLM's required BlockStored keys: nil, empty, 0), the present ones survive."""
+    names = ev.__struct_fields__
+    kept = {"block_hashes", *(names[i] for i in keep if i < len(names))}
+    raw = {"type": type(ev).__name__, **{n: getattr(ev, n) for n in names if n in kept}}
+    lenient = {"parent_block_hash": None, "token_ids": [], "block_size": 0}
+    fields = {n: getattr(ev, n) if n in kept else lenient.get(n) for n in names}
+    expected = type(ev)(**fields)
+    assert normalize_event(raw) == expected
+    assert decode_batch(msgspec.msgpack.encode([1.0, [raw]])).events == [expected]
+
+
 def test_int_ts_and_map_batch_without_rank():
     assert decode_batch(msgspec.msgpack.encode([5, []])) == KVEventBatch(5.0, [], None)
     assert decode_batch(msgspec.msgpack.encode({"ts": 5, "events": [{"type": "AllBlocksCleared"}]})) == (

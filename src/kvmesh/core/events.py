@@ -15,23 +15,28 @@ batch is a positional array and every event is a map tagged by ``"type"``::
 The batch always carries all three elements (msgspec ignores ``omit_defaults`` for array-like
 structs, so a nil rank is written as nil, by vLLM and by us).
 
-Encoding. vLLM's decoder requires the first seven ``BlockStored`` keys (and the first two of
-``BlockRemoved``) even when they are nil, while Python code here builds events positionally with
-``lora_id``, ``medium`` and ``lora_name`` defaulting to ``None``. msgspec decides per struct class
-whether nil defaults are written, so :func:`encode_batch` converts each event to a private *wire*
-struct of the same fields in which those keys have no default (always written) and the optional
-tail is omitted when nil. The bytes are exactly what vLLM's own encoder writes for the same event.
-The public structs themselves use ``omit_defaults=False``, so even a direct
-``msgspec.msgpack.encode(event)`` stays decodable by vLLM (just larger).
+Each event is defined once, as the public struct below. Every other shape is derived from it
+field for field (``msgspec.defstruct``), so the shapes cannot drift apart:
 
-Decoding, fastest first; every path ends in the public structs below:
+- *wire* (written by :func:`encode_batch`): vLLM's decoder requires the first seven ``BlockStored``
+  keys (and the first two of ``BlockRemoved``) even when they are nil, while Python code here builds
+  events with ``lora_id``, ``medium`` and ``lora_name`` defaulting to ``None``. msgspec decides per
+  struct class whether nil defaults are written, so the wire shape has no default for those keys
+  (always written) and omits the optional tail when nil: exactly the bytes vLLM's encoder writes.
+  The public structs use ``omit_defaults=False``, so even a direct ``msgspec.msgpack.encode(event)``
+  stays decodable by vLLM (just larger).
+- *positional* (``array_like``) for older publishers' ``["BlockStored", block_hashes, ...]``:
+  missing trailing fields take their defaults, unknown extra trailing fields are ignored.
+- *lenient* map events (nothing but ``block_hashes`` required) need no shape of their own: the
+  missing required keys are filled in and the map converted to the public struct.
+
+Decoding, fastest first; every path ends in the public structs:
 
 1. map-form events in an array batch (vLLM >= 0.32, and our encoder): one typed msgspec decode
    straight into :class:`KVEventBatch`; unknown keys are ignored, so newer publishers that add
    fields still take this path.
-2. positional events ``["BlockStored", block_hashes, ...]`` in an array batch (older vLLM and older
-   kvmesh): one typed decode into private ``array_like`` twins, whose missing trailing fields take
-   their defaults and whose unknown extra trailing fields are ignored, then converted.
+2. positional events in an array batch (older vLLM and older kvmesh): one typed decode into the
+   positional shapes, then converted.
 3. a map-form batch ``{"ts": ..., "events": [...], "data_parallel_rank": ...}``: one typed decode.
 4. anything else (a batch mixing both event forms, map events missing fields other than
    ``block_hashes``): a generic msgpack decode and :func:`normalize_event` per event.
@@ -42,6 +47,8 @@ Block hashes may be u64 ints or raw bytes everywhere. A payload no path accepts 
 
 from __future__ import annotations
 
+import functools
+import operator
 import time
 from typing import Any, TypeAlias
 
@@ -114,189 +121,102 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 # --------------------------------------------------------------------------------------------------
-# Wire form written by encode_batch: vLLM's required keys have no default, so they are always
-# written; the optional tail is omitted when nil. Field order matches the public structs.
+# The other shapes of each event are derived from the public struct above, field for field, so they
+# cannot drift from it and convert to it positionally (``astuple``).
 
 
-class _WireEvent(msgspec.Struct, omit_defaults=True, gc=False):
-    pass
+def _derive(
+    event_type: type[KVCacheEvent], *, first_optional: int, omit_defaults: bool, array_like: bool
+) -> type[msgspec.Struct]:
+    """A struct of ``event_type``'s fields, in order, tagged by its name; fields before
+    ``first_optional`` have no default, later ones keep the public default."""
+    spec: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    for i, f in enumerate(msgspec.structs.fields(event_type)):
+        if i < first_optional or f.required:
+            spec.append((f.name, f.type))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            spec.append((f.name, f.type, msgspec.field(default_factory=f.default_factory)))
+        else:
+            spec.append((f.name, f.type, f.default))
+    return msgspec.defstruct(
+        f"_{event_type.__name__}{'Array' if array_like else 'Wire'}",
+        spec,
+        tag=event_type.__name__,
+        omit_defaults=omit_defaults,
+        array_like=array_like,
+        gc=False,
+        module=__name__,
+    )
 
 
-class _BlockStoredWire(_WireEvent, tag="BlockStored"):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
+_PUBLIC_TYPES: tuple[type[KVCacheEvent], ...] = (BlockStored, BlockRemoved, AllBlocksCleared)
+_EVENT_TYPES: dict[str, type[KVCacheEvent]] = {t.__name__: t for t in _PUBLIC_TYPES}
+
+# Wire form written by encode_batch: vLLM's decoder needs the keys up to and including these even
+# when nil, so they have no default (always written); the optional tail is omitted when nil.
+_LAST_ALWAYS_WRITTEN = {BlockStored: "lora_name", BlockRemoved: "medium"}
 
 
-class _BlockRemovedWire(_WireEvent, tag="BlockRemoved"):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
+def _always_written(event_type: type[KVCacheEvent]) -> int:
+    last = _LAST_ALWAYS_WRITTEN.get(event_type)
+    return 0 if last is None else event_type.__struct_fields__.index(last) + 1
 
 
-class _AllBlocksClearedWire(_WireEvent, tag="AllBlocksCleared"):
-    pass
+_TO_WIRE: dict[type[KVCacheEvent], type[msgspec.Struct]] = {
+    t: _derive(t, first_optional=_always_written(t), omit_defaults=True, array_like=False)
+    for t in _PUBLIC_TYPES
+}
 
 
 class _WireBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
-    events: list[_WireEvent]
+    events: list[msgspec.Struct]
     data_parallel_rank: int | None = None
 
 
-_ALL_CLEARED_WIRE = _AllBlocksClearedWire()
-
-# --------------------------------------------------------------------------------------------------
 # Positional (array) form of older publishers: ["BlockStored", block_hashes, ...]. Trailing fields
 # may be missing (defaults) or extra (ignored by msgspec for array_like structs).
+_TO_PUBLIC: dict[type[msgspec.Struct], type[KVCacheEvent]] = {
+    _derive(t, first_optional=0, omit_defaults=False, array_like=True): t for t in _PUBLIC_TYPES
+}
+_ArrayEventUnion: Any = functools.reduce(operator.or_, _TO_PUBLIC)
+
+_ArrayEventsBatch = msgspec.defstruct(
+    "_ArrayEventsBatch",
+    [("ts", float), ("events", list[_ArrayEventUnion]), ("data_parallel_rank", int | None, None)],
+    array_like=True,
+    gc=False,
+    module=__name__,
+)
 
 
-class _ArrayEvent(msgspec.Struct, array_like=True, gc=False):
-    pass
-
-
-class _BlockStoredArray(_ArrayEvent, tag="BlockStored"):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-
-
-class _BlockRemovedArray(_ArrayEvent, tag="BlockRemoved"):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None = None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class _AllBlocksClearedArray(_ArrayEvent, tag="AllBlocksCleared"):
-    pass
-
-
-_ArrayEventUnion: TypeAlias = _BlockStoredArray | _BlockRemovedArray | _AllBlocksClearedArray
-
-
-class _ArrayEventsBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_ArrayEventUnion]
-    data_parallel_rank: int | None = None
-
-
-# --------------------------------------------------------------------------------------------------
-# Map-form batch, and lenient untagged map events for the generic path (BlockStored maps may omit
-# everything but block_hashes, as some third-party publishers do).
-
-
+# Map-form batch.
 class _MapBatch(msgspec.Struct, gc=False):
     ts: float
     events: list[KVEvent]
     data_parallel_rank: int | None = None
 
 
-class _LenientBlockStored(msgspec.Struct, gc=False):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None = None
-    token_ids: list[int] = msgspec.field(default_factory=list)
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-
-
-class _LenientBlockRemoved(msgspec.Struct, gc=False):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None = None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class _LenientAllBlocksCleared(msgspec.Struct, gc=False):
-    pass
-
-
-_EVENT_TYPES: dict[str, type[KVCacheEvent]] = {
-    "BlockStored": BlockStored,
-    "BlockRemoved": BlockRemoved,
-    "AllBlocksCleared": AllBlocksCleared,
-}
-_LENIENT_MAP: dict[str, type[msgspec.Struct]] = {
-    "BlockStored": _LenientBlockStored,
-    "BlockRemoved": _LenientBlockRemoved,
-    "AllBlocksCleared": _LenientAllBlocksCleared,
-}
-# Twin struct type → public event type; the twins share the public field order.
-_TO_PUBLIC: dict[type[msgspec.Struct], type[KVCacheEvent]] = {
-    _BlockStoredArray: BlockStored,
-    _BlockRemovedArray: BlockRemoved,
-    _AllBlocksClearedArray: AllBlocksCleared,
-    _LenientBlockStored: BlockStored,
-    _LenientBlockRemoved: BlockRemoved,
-    _LenientAllBlocksCleared: AllBlocksCleared,
-}
-_TO_WIRE: dict[type[KVCacheEvent], type[_WireEvent]] = {
-    BlockStored: _BlockStoredWire,
-    BlockRemoved: _BlockRemovedWire,
-}
-
-
-def _check_twins() -> None:
-    """Conversions go positionally (``astuple``), so every twin must list the public fields in order."""
-    pairs = [*_TO_PUBLIC.items(), *((w, p) for p, w in _TO_WIRE.items())]
-    for twin, public in pairs:
-        assert twin.__struct_fields__ == public.__struct_fields__, f"{twin.__name__} fields drifted"
-
-
-_check_twins()
+# Some third-party publishers send map-form BlockStored events with nothing but block_hashes: the
+# generic path fills the other fields vLLM requires before a typed conversion (keys of other events
+# are ignored, as unknown keys are).
+_LENIENT_FILL: dict[str, Any] = {"parent_block_hash": None, "token_ids": (), "block_size": 0}
 
 # msgspec raises UnicodeDecodeError (a ValueError) for invalid UTF-8 inside str fields.
 _DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError)
 _encoder = msgspec.msgpack.Encoder()
 _map_events_decoder = msgspec.msgpack.Decoder(KVEventBatch)
-_array_events_decoder = msgspec.msgpack.Decoder(_ArrayEventsBatch)
+_array_events_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(_ArrayEventsBatch)
 _map_batch_decoder = msgspec.msgpack.Decoder(_MapBatch)
 _any_decoder = msgspec.msgpack.Decoder()
 
 
-def _to_public(twin: msgspec.Struct) -> KVEvent:
+def _to_public(twin: Any) -> KVEvent:
     event: KVEvent = _TO_PUBLIC[type(twin)](*astuple(twin))  # type: ignore[assignment]
     return event
 
 
-def _to_wire_slow(event: object) -> _WireEvent:
-    if type(event) is AllBlocksCleared:
-        return _ALL_CLEARED_WIRE
+def _to_wire_slow(event: object) -> msgspec.Struct:
     raise TypeError(f"not a KV event: {type(event).__name__}")
 
 
@@ -369,11 +289,12 @@ def normalize_event(raw: Any) -> KVEvent:
     """
     if isinstance(raw, dict):
         tag = raw.get("type")
-        lenient = _LENIENT_MAP.get(tag) if isinstance(tag, str) else None
-        if lenient is None:
+        public = _EVENT_TYPES.get(tag) if isinstance(tag, str) else None
+        if public is None:
             raise ProtocolError(f"unknown event type {tag!r}")
         try:
-            return _to_public(msgspec.convert(raw, type=lenient))
+            event: KVEvent = msgspec.convert({**_LENIENT_FILL, **raw}, type=public)  # type: ignore[assignment]
+            return event
         except _DECODE_ERRORS as exc:
             raise ProtocolError(f"bad {tag} event: {exc}") from exc
     if isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
