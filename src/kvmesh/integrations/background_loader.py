@@ -19,7 +19,7 @@ from kvmesh.integrations.request_tracker import LoadSpec
 
 __all__ = ["BackgroundLoader"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("vllm.kvmesh.loader")  # shows in the vLLM server's log, as the connector's lines do
 
 
 class BackgroundLoader:

@@ -26,6 +26,10 @@ from kvmesh.integrations.request_tracker import LoadSpec, SaveSpec
 from kvmesh.integrations.store_bridge import StoreBridge
 from kvmesh.store.cache_engine import PrefixWritten
 
+BACKGROUND_LOAD_MIB_PER_S = 50.0
+"""The slowest a background load may read before it counts as failed: a 2 GiB prefix gets 41 s more
+than the fixed retrieve timeout. Nothing but the request itself waits for it."""
+
 LOAD_BATCH_BYTES = 256 << 20
 """Loaded chunks staged on the device at once before they are scattered into their blocks: the
 rest of the device belongs to the engine's own cache."""
@@ -63,9 +67,11 @@ class PagedKVTransfer:
         layers: the cache, one tensor per attention layer in model order, all of ``geometry``.
         geometry: the layers' shape.
         bridge: the store.
-        own_stream: loads run on a CUDA stream of their own and wait for it (a transfer used by a
-            thread other than the engine's); the engine's thread leaves it off, its loads feeding
-            the forward pass queued after them.
+        background: loads run off the engine's step (a transfer used by a thread other than the
+            engine's): on a CUDA cache on a stream of their own, waited for before they return; and
+            a load may take the store's retrieve timeout plus its size at
+            :data:`BACKGROUND_LOAD_MIB_PER_S`, since no step waits for it. The engine's thread leaves
+            it off: its loads feed the forward pass queued after them and keep the fixed timeout.
     """
 
     def __init__(
@@ -74,7 +80,7 @@ class PagedKVTransfer:
         geometry: PagedGeometry,
         bridge: StoreBridge,
         *,
-        own_stream: bool = False,
+        background: bool = False,
     ) -> None:
         self.layers = list(layers)
         self.geometry = geometry
@@ -83,7 +89,8 @@ class PagedKVTransfer:
         device = self.layers[0].device if self.layers else torch.device("cpu")
         self._stager = PinnedStager(device) if device.type == "cuda" else None
         self._save_stager = PinnedStager(device) if device.type == "cuda" else None
-        self._own_stream = torch.cuda.Stream(device) if own_stream and device.type == "cuda" else None
+        self.background = background
+        self._own_stream = torch.cuda.Stream(device) if background and device.type == "cuda" else None
 
     def fence(self) -> torch.cuda.Event | None:
         """On a CUDA cache, an event marking the engine's work queued so far (pass it to
@@ -118,8 +125,15 @@ class PagedKVTransfer:
         return set(spec.block_ids[spec.start // bs : (spec.end - 1) // bs + 1])
 
     def _load(self, spec: LoadSpec) -> set[int]:
+        timeout_s = None
+        if self.background:
+            g = self.geometry
+            num_bytes = (
+                len(spec.token_ids) * 2 * len(self.layers) * g.num_kv_heads * g.head_dim * g.dtype.itemsize
+            )
+            timeout_s = self.bridge.retrieve_timeout_s + num_bytes / (1 << 20) / BACKGROUND_LOAD_MIB_PER_S
         result = self.bridge.retrieve(
-            spec.token_ids, spec.namespace, max_tokens=len(spec.token_ids), join=False
+            spec.token_ids, spec.namespace, max_tokens=len(spec.token_ids), join=False, timeout_s=timeout_s
         )
         got = self._scatter_loaded(spec, result.parts) if result.parts else 0
         if got < spec.end:

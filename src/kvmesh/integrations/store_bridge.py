@@ -152,15 +152,24 @@ class StoreBridge:
         return 0 if found is None else found
 
     def retrieve(
-        self, tokens: Sequence[int], namespace: Namespace, max_tokens: int | None = None, *, join: bool = True
+        self,
+        tokens: Sequence[int],
+        namespace: Namespace,
+        max_tokens: int | None = None,
+        *,
+        join: bool = True,
+        timeout_s: float | None = None,
     ) -> RetrieveResult:
-        """KV of the longest stored prefix (at most ``max_tokens``); a miss when it cannot load in time.
-        ``join=False``: the chunks as they were read (``parts``), not concatenated."""
+        """KV of the longest stored prefix (at most ``max_tokens``); a miss when it cannot load in
+        time (``timeout_s``, default ``retrieve_timeout_s``; a longer one lets each tier read take
+        as long too). ``join=False``: the chunks as they were read (``parts``), not concatenated."""
         self.stats.num_retrieves += 1
-        future = self._submit(self.engine.retrieve(list(tokens), namespace, max_tokens, join=join))
+        future = self._submit(
+            self.engine.retrieve(list(tokens), namespace, max_tokens, join=join, read_extra_s=timeout_s)
+        )
         if future is None:
             return RetrieveResult.miss()
-        result = self._wait(future, self.retrieve_timeout_s)
+        result = self._wait(future, self.retrieve_timeout_s if timeout_s is None else timeout_s)
         return RetrieveResult.miss() if result is None else result
 
     def save(

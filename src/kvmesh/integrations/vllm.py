@@ -740,8 +740,8 @@ class KVMeshConnector(_ConnectorBase):
         if self._loader is None:
             assert self.transfer is not None
             t = self.transfer
-            # A transfer of its own: its device copies run on a stream of their own, off the step's.
-            own = PagedKVTransfer(t.layers, t.geometry, t.bridge, own_stream=True)
+            # A transfer of its own: device copies on a stream of their own, a timeout by size.
+            own = PagedKVTransfer(t.layers, t.geometry, t.bridge, background=True)
             self._loader = BackgroundLoader(own.load, own.blocks_of)
             _log.info(
                 "KVMeshConnector: first background load (%d tokens); loads of %.0f MiB or more run off the step",
@@ -776,7 +776,11 @@ class KVMeshConnector(_ConnectorBase):
         recving = None
         if self._loader is not None:
             done = self._loader.take_finished()
-            for failed in done.values():
+            for req_id, failed in done.items():
+                if failed:
+                    _log.warning(
+                        "background load of %s came up short: %d blocks recomputed", req_id, len(failed)
+                    )
                 self._failed_blocks |= failed
             recving = set(done)
         return sending or None, recving or None

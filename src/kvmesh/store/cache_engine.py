@@ -155,6 +155,7 @@ class KVCacheEngine:
         join: bool = True,
         keys: Sequence[StoreKey] | None = None,
         beyond: int = 0,
+        read_extra_s: float | None = None,
     ) -> RetrieveResult:
         """Load the KV of the longest stored prefix of ``tokens``: one existence check per tier,
         then one read per chunk.
@@ -168,6 +169,8 @@ class KVCacheEngine:
                 load), when the caller has them already; computed here otherwise.
             beyond: load nothing unless the stored prefix is longer than this many tokens (the
                 caller holds those); the miss then carries ``held_tokens``.
+            read_extra_s: how long a tier read may outlast the tier's timeout (``None``: by its
+                size; see :meth:`TieredStore.get_prefix`).
 
         Returns:
             The prefix KV; a miss (0 tokens) when nothing usable was found.
@@ -182,7 +185,9 @@ class KVCacheEngine:
         keys = keys[:max_chunks]
         if not keys:
             return RetrieveResult.miss()
-        result = await self.tiered.get_prefix(keys, beyond=max(0, beyond) // self.chunk_size)
+        result = await self.tiered.get_prefix(
+            keys, beyond=max(0, beyond) // self.chunk_size, read_extra_s=read_extra_s
+        )
         held_tokens = result.num_held * self.chunk_size
         chunks = self._consistent_prefix(result.chunks)
         if not chunks:

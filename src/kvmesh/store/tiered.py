@@ -242,7 +242,9 @@ class TieredStore:
                 scan.record(t, missing, answer)
         return scan
 
-    async def get_prefix(self, keys: Sequence[StoreKey], *, beyond: int = 0) -> PrefixResult:
+    async def get_prefix(
+        self, keys: Sequence[StoreKey], *, beyond: int = 0, read_extra_s: float | None = None
+    ) -> PrefixResult:
         """Fetch the longest leading run of ``keys`` that the tiers can serve, verified.
 
         Each tier is asked once which keys it holds, then each chunk is read once, from the
@@ -252,6 +254,9 @@ class TieredStore:
             keys: consecutive chunks of one prompt, from its start.
             beyond: read nothing unless the tiers hold more than this many leading chunks (the
                 caller has those already): the answer is then empty, with ``num_held`` set.
+            read_extra_s: how long a read may outlast its tier's timeout; ``None``: by its size
+                (:data:`READ_SECONDS_PER_MIB`, at most :data:`MAX_READ_EXTRA_S`). A caller that no
+                request step waits for may allow more.
 
         Returns:
             The chunks in order; fewer than ``keys`` when a chunk is missing everywhere, fails
@@ -277,7 +282,7 @@ class TieredStore:
                 self._inflight[keys[i]] = fut
                 mine[i] = fut
         try:
-            await self._fetch(keys, holder, sorted(mine), found)
+            await self._fetch(keys, holder, sorted(mine), found, read_extra_s)
         finally:
             for i, fut in mine.items():
                 if not fut.done():
@@ -300,6 +305,7 @@ class TieredStore:
         holder: list[int | None],
         wanted: list[int],
         found: list[FoundChunk | None],
+        read_extra_s: float | None = None,
     ) -> None:
         """Fill ``found[i]`` for ``i`` in ``wanted``, tier by tier; a failed key falls to later tiers."""
         for t, tier in enumerate(self.tiers):
@@ -307,7 +313,11 @@ class TieredStore:
             if not todo:
                 continue
             batch = [keys[i] for i in todo]
-            extra = min(len(batch) * self.chunk_bytes / (1 << 20) * READ_SECONDS_PER_MIB, MAX_READ_EXTRA_S)
+            extra = read_extra_s
+            if extra is None:
+                extra = min(
+                    len(batch) * self.chunk_bytes / (1 << 20) * READ_SECONDS_PER_MIB, MAX_READ_EXTRA_S
+                )
             values = await self._call(tier, "get", partial(tier.backend.get_many, batch), extra_s=extra)
             if values is None:
                 continue
