@@ -7,8 +7,10 @@ background loops then run per pool:
 * health: ``GET /health`` every ``health_interval`` s with ``health_timeout``; after
   ``failure_threshold`` consecutive failures the endpoint leaves the pool (``healthy = False``), and
   one success brings it back. The gateway also reports connect failures, which count at once.
-  With the defaults (0.5 s, 0.5 s, 2) a dead endpoint leaves within about 1.5 s.
-* load: ``GET /metrics`` every ``metrics_interval`` s, reading vLLM's gauges
+  With the defaults (0.5 s, 0.5 s, 2) a dead endpoint leaves within about 1.5 s while requests
+  flow. While the router sends nothing and every endpoint is well, the interval doubles each round
+  up to 16× (8 s at most; :mod:`~kvmesh.router.idle_backoff`) and the next request restores it.
+* load: ``GET /metrics`` every ``metrics_interval`` s (stretched alike while no endpoint has work), reading vLLM's gauges
   ``vllm:num_requests_waiting``, ``vllm:num_requests_running`` and ``vllm:kv_cache_usage_perc``
   (``vllm:gpu_cache_usage_perc`` on older vLLM), summed over label sets, and LoRA adapters
   (``vllm:lora_requests_info``; see :mod:`kvmesh.router.lora_state`). An endpoint that reports
@@ -37,6 +39,7 @@ from kvmesh.core.tasks import cancel_and_wait
 from kvmesh.core.tenancy import Role
 from kvmesh.core.types import PodId
 from kvmesh.errors import ConfigError
+from kvmesh.router.idle_backoff import IdleBackoff
 from kvmesh.router.lora_state import LoraState, adapters_of_models, parse_lora_info
 from kvmesh.router.types import EndpointState
 
@@ -189,6 +192,8 @@ class EndpointPool:
         self.failure_threshold = failure_threshold
         self.metrics_interval = metrics_interval
         self.on_events = on_events
+        self._health_wait = IdleBackoff(health_interval)
+        self._metrics_wait = IdleBackoff(max(metrics_interval, 0.0))
         self._endpoints: dict[PodId, Endpoint] = {}
         self._states: list[EndpointState] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -268,6 +273,8 @@ class EndpointPool:
         endpoint = self._endpoints.get(pod)
         if endpoint is not None:
             endpoint.state.in_flight += 1
+        self._health_wait.note_activity()
+        self._metrics_wait.note_activity()
 
     def end_request(self, pod: PodId) -> None:
         """Count a request to ``pod`` as finished (successfully or not)."""
@@ -366,7 +373,8 @@ class EndpointPool:
             endpoints = list(self._endpoints.values())
             if endpoints:
                 await asyncio.gather(*(self._check(e) for e in endpoints))
-            await asyncio.sleep(self.health_interval)
+            busy = any(not e.state.healthy or e.consecutive_failures or e.state.in_flight for e in endpoints)
+            await self._health_wait.wait(busy=busy)
 
     async def _scrape(self, endpoint: Endpoint) -> None:
         if not endpoint.state.healthy:
@@ -394,6 +402,9 @@ class EndpointPool:
         lora = parse_lora_info(text)
         if lora is not None:
             await self._update_lora(endpoint, lora)
+        elif state.lora is not None:  # restarted without LoRA
+            state.lora = None
+            endpoint.models = []
 
     async def _update_lora(self, endpoint: Endpoint, lora: LoraState) -> None:
         """Record the endpoint's running adapters, reading ``/v1/models`` for the servable ones
@@ -421,4 +432,5 @@ class EndpointPool:
             endpoints = list(self._endpoints.values())
             if endpoints:
                 await asyncio.gather(*(self._scrape(e) for e in endpoints))
-            await asyncio.sleep(self.metrics_interval)
+            busy = any(e.state.in_flight or e.state.waiting or e.state.running for e in endpoints)
+            await self._metrics_wait.wait(busy=busy)
