@@ -265,6 +265,16 @@ class ChunkCodec:
         self, key: StoreKey, kv: np.ndarray, dtype: str | None = None, *, into: Callable[[int], bytearray]
     ) -> bytearray: ...
 
+    @overload
+    def encode(
+        self,
+        key: StoreKey,
+        kv: np.ndarray,
+        dtype: str | None = None,
+        *,
+        into: Callable[[int], bytearray] | None,
+    ) -> bytes | bytearray: ...
+
     def encode(
         self,
         key: StoreKey,
