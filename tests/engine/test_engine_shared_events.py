@@ -114,7 +114,7 @@ async def test_prompt_in_the_shared_tier_is_announced_from_the_root(
     assert shared.parent_block_hash is None
     assert shared.token_ids == PROMPT[: 2 * CHUNK]
     assert shared.block_size == 16
-    assert shared.extra_keys is None
+    assert shared.extra_keys == [None] * 32  # vLLM's form: one entry per block
     assert stream.events.index(shared) > stream.events.index(stream.stored("GPU")[0])
 
     # Same prompt again: nothing new to write, nothing new to announce. A longer one reaching a third

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from kvmesh.fleet.vllm import VllmReplica
-from kvmesh.integrations.vllm import ModelKVFormat
+from kvmesh.integrations.vllm_format import ModelKVFormat
 
 
 def replica(tmp_path: Path, **kw: object) -> VllmReplica:

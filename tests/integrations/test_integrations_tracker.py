@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.core.hashing import Namespace
+from kvmesh.core.shared_writes import PromptBlocks
 from kvmesh.integrations.request_tracker import LoadSpec, RequestTracker, SaveSpec, num_loadable_tokens
-from kvmesh.integrations.shared_events import PromptBlocks
 
 NS = Namespace("m", kv_dtype="bfloat16", kv_layout="L3xH2xD8")
 

@@ -73,15 +73,16 @@ import torch
 
 
 def run(root, construct):
-    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.") or m == "kvmesh.integrations.vllm"]:
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith(("vllm.", "kvmesh.integrations.vllm"))]:
         del sys.modules[name]
     sys.path.insert(0, root)
     try:
         base = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
         connector_module = importlib.import_module("kvmesh.integrations.vllm")
+        compat = importlib.import_module("kvmesh.integrations.vllm_compat")
     finally:
         sys.path.remove(root)
-    assert connector_module.HAS_VLLM
+    assert compat.HAS_VLLM
     cls = connector_module.KVMeshConnector
     assert issubclass(cls, base.KVConnectorBase_V1)
     model = SimpleNamespace(model="m", served_model_name="m", revision=None, dtype=torch.float16, use_mla=False,

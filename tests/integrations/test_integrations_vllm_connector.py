@@ -14,60 +14,24 @@ from typing import Any
 import pytest
 import torch
 from integrations_helpers import bits, paged_cache, read_request, request_kv, write_request
+from vllm_standins import ConnectorRole, make_request, make_vllm_config
 
 from kvmesh.core.events import BlockStored, decode_batch, encode_batch
-from kvmesh.core.types import PodId
+from kvmesh.core.hashing import BlockHasher, Namespace
+from kvmesh.core.shared_writes import SharedWriteAnnouncer
+from kvmesh.core.types import Medium, PodId
+from kvmesh.engine.store_sync import shared_prompt_blocks
 from kvmesh.errors import ConfigError
 from kvmesh.integrations.connector_config import ConnectorSettings
 from kvmesh.integrations.paged_kv import PagedLayout
-from kvmesh.integrations.vllm import (
-    HAS_VLLM,
-    ConnectorRole,
-    KVMeshConnector,
-    KVMeshConnectorMetadata,
-    ModelKVFormat,
-    SharedTierEvents,
-    model_kv_format,
-)
+from kvmesh.integrations.vllm import KVMeshConnector, KVMeshConnectorMetadata
+from kvmesh.integrations.vllm_compat import HAS_VLLM, SharedTierEvents
+from kvmesh.integrations.vllm_format import ModelKVFormat, model_kv_format
 from kvmesh.router.index import InMemoryIndex
 from kvmesh.router.ingest import EventApplier
 from kvmesh.router.prefix import match_prefix
 
 BS = 16
-
-
-def make_vllm_config(
-    extra: dict[str, Any],
-    *,
-    cache_dtype: str = "auto",
-    tp: int = 1,
-    pp: int = 1,
-    use_mla: bool = False,
-    kv_events: bool = False,
-) -> SimpleNamespace:
-    model_config = SimpleNamespace(
-        model="org/model",
-        served_model_name="org/model",
-        revision=None,
-        dtype=torch.bfloat16,
-        use_mla=use_mla,
-        get_num_layers=lambda pc: 3,
-        get_num_kv_heads=lambda pc: 2,
-        get_head_size=lambda: 8,
-    )
-    return SimpleNamespace(
-        model_config=model_config,
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-        cache_config=SimpleNamespace(block_size=BS, cache_dtype=cache_dtype),
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
-        kv_events_config=SimpleNamespace(enable_kv_cache_events=kv_events),
-    )
-
-
-def make_request(req_id: str, prompt: Sequence[int], **kw: Any) -> SimpleNamespace:
-    fields: dict[str, Any] = {"lora_request": None, "cache_salt": None, "mm_features": []}
-    fields.update(kw)
-    return SimpleNamespace(request_id=req_id, prompt_token_ids=list(prompt), **fields)
 
 
 def new_req_output(req: SimpleNamespace, block_ids: list[int], num_computed: int, num_scheduled: int) -> Any:
@@ -361,6 +325,40 @@ def test_a_save_that_lands_in_the_shared_tier_is_announced_through_vllms_channel
         assert match.hit_tokens(PodId("any-other-pod")) == 96
     finally:
         replica.close()
+
+
+@pytest.mark.parametrize("tenant", ["", "acme"])
+def test_the_router_indexes_the_engines_and_the_connectors_shared_writes_alike(
+    tmp_path: Path, tenant: str
+) -> None:
+    """kvmesh's engine and the vLLM connector announce through one announcer: for one prompt and
+    tenant, a router credits both writes to the same blocks of the same namespace."""
+    prompt = list(range(500, 600))
+    replica = Replica({"store": shared_store(tmp_path)}, PagedLayout.KV_FIRST, 20, kv_events=True)
+    try:
+        save_prompt(replica, prompt, cache_salt=tenant or None)
+        replica.scheduler.update_connector_output(
+            SimpleNamespace(kv_cache_events=replica.worker.get_kv_connector_kv_cache_events())
+        )
+        from_connector = list(replica.scheduler.take_events())
+    finally:
+        replica.close()
+    keys = BlockHasher(Namespace("org/model", tenant=tenant), BS).hash_blocks(prompt)
+    engine = SharedWriteAnnouncer(BlockStored)
+    engine.on_written(shared_prompt_blocks(keys, BS, tenant), prompt[:96])(Medium.SHARED, 96)
+    from_engine = engine.take_events()
+    assert [e.extra_keys for e in from_engine] == [e.extra_keys for e in from_connector]
+    assert [e.extra_keys for e in from_engine] == [[("acme",) if tenant else None] + [None] * 5]
+
+    matches = []
+    for events in (from_engine, from_connector):
+        applier = EventApplier(InMemoryIndex(), model="org/model", block_size=BS)
+        applier.apply_batch(PodId("writer"), decode_batch(encode_batch(events)))
+        for other in ("" if tenant else "acme", tenant):
+            match = match_prefix(applier.index, applier.hasher(tenant=other), prompt)
+            matches.append((other, match.hit_tokens(PodId("any-other-pod"))))
+    assert matches[:2] == matches[2:]
+    assert dict(matches[:2]) == {tenant: 96, "" if tenant else "acme": 0}
 
 
 @pytest.mark.parametrize("case", ["switched_off", "no_kv_events", "no_shared_tier", "failed_write"])

@@ -18,6 +18,7 @@ from kvmesh.core.events import (
     encode_batch,
 )
 from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_SIZE, BlockHasher, HashAlgo, Namespace
+from kvmesh.core.shared_writes import PromptBlocks, SharedWriteAnnouncer, shared_stored_event
 from kvmesh.core.types import EMPTY_BLOCK_KEY, BlockKey, ExternalBlockHash, Medium, PodId, TokenIds
 
 __all__ = [
@@ -36,7 +37,10 @@ __all__ = [
     "Medium",
     "Namespace",
     "PodId",
+    "PromptBlocks",
+    "SharedWriteAnnouncer",
     "TokenIds",
     "decode_batch",
     "encode_batch",
+    "shared_stored_event",
 ]

@@ -23,11 +23,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvmesh.core.events import KVEvent
+from kvmesh.core.events import BlockStored, KVEvent
+from kvmesh.core.shared_writes import PromptBlocks, SharedWriteAnnouncer
 from kvmesh.core.tenancy import Role
-from kvmesh.core.types import BlockKey, Medium
+from kvmesh.core.types import BlockKey
 from kvmesh.engine.local_tiers import LocalTierAnnouncer
-from kvmesh.engine.prefix_cache import PrefixCache, prefix_stored_event
+from kvmesh.engine.prefix_cache import PrefixCache, engine_block_hash
 from kvmesh.engine.request import EngineRequest, EngineStats
 from kvmesh.engine.runner import NUMPY_KV, KVArray, ModelRunner, Sequence
 from kvmesh.engine.store_connector import LoadedPrefix, NullPrefixStore, PrefixStore, StoreWritten
@@ -36,6 +37,12 @@ if TYPE_CHECKING:
     from kvmesh.store.keys import StoreKey
 
 logger = logging.getLogger(__name__)
+
+
+def shared_prompt_blocks(keys: list[BlockKey], block_size: int, tenant: str) -> PromptBlocks:
+    """The engine's names for a prompt's blocks in SHARED events: the hashes and tenant (as the
+    cache salt, vLLM's place for it) its device tier publishes the blocks under."""
+    return PromptBlocks(tuple(engine_block_hash(k) for k in keys), block_size, cache_salt=tenant or None)
 
 
 class StoreSync:
@@ -77,7 +84,7 @@ class StoreSync:
         self._tasks: set[asyncio.Task[None]] = set()
         self._queued: list[EngineRequest] = []
         self._deferred_free: list[Sequence] = []
-        self._events: list[KVEvent] = []
+        self._shared = SharedWriteAnnouncer(BlockStored, wake=wake)
         self.local: LocalTierAnnouncer | None = None
         """Announces the local tiers' chunks; ``None`` when off or when the store has no local tier."""
         if self.enabled and announce_local:
@@ -283,27 +290,14 @@ class StoreSync:
 
     def _shared_announcer(self, keys: list[BlockKey], tokens: list[int], tenant: str) -> StoreWritten:
         """The ``on_written`` of one prompt's write: a SHARED event whenever a shared tier holds more
-        of the prompt than announced so far (a second shared tier holding as much adds nothing).
+        of the prompt than announced so far, named as the device tier names the blocks.
 
         Only shared tiers are announced here; the local CPU and disk tiers report what they store
         and evict themselves (:attr:`local`). A shared tier's own evictions (TTL, maxmemory) are not
         announced: a stale SHARED entry costs the engine it is routed to one store miss, and that
         engine recomputes.
         """
-        bs = self.cache.block_size
-        announced = 0
-
-        def on_written(medium: Medium, end: int) -> None:
-            nonlocal announced
-            num_blocks = min(end // bs, len(keys))
-            if medium is not Medium.SHARED or num_blocks <= announced:
-                return
-            announced = num_blocks
-            self._events.append(prefix_stored_event(keys[:num_blocks], tokens, bs, tenant, Medium.SHARED))
-            if self._wake is not None:
-                self._wake()
-
-        return on_written
+        return self._shared.on_written(shared_prompt_blocks(keys, self.cache.block_size, tenant), tokens)
 
     def take_events(self) -> list[KVEvent]:
         """SHARED, CPU and DISK events since the last call, oldest first.
@@ -311,7 +305,7 @@ class StoreSync:
         Call right after taking the device tier's events, and publish these after those: whether a
         local tier's event needs the blocks' tokens depends on what the device tier announced.
         """
-        events, self._events = self._events, []
+        events: list[KVEvent] = self._shared.take_events()
         if self.local is not None:
             events += self.local.take_events()
         return events

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.core.hashing import Namespace
-from kvmesh.integrations.shared_events import PromptBlocks
+from kvmesh.core.shared_writes import PromptBlocks
 
 
 @dataclass(frozen=True, slots=True)

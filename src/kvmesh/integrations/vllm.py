@@ -1,4 +1,4 @@
-# Over 450 lines: one class, because vLLM loads a connector as one class serving both its scheduler and worker roles; the pure parts live in paged_kv, request_tracker, store_bridge, paged_transfer.
+# Over 450 lines: one class, because vLLM loads a connector as one class serving both its scheduler and worker roles; the rest lives in vllm_compat, vllm_format, bridge_pool, paged_kv, request_tracker, store_bridge, paged_transfer.
 """A vLLM (v1 engine) KV connector that loads prompt-prefix KV from, and saves it to, the kvmesh store.
 
 Enable it with no change to vLLM::
@@ -26,16 +26,16 @@ the per-worker layout (layers, KV heads, head size, and tensor-parallel rank whe
 replicas of one model share chunks and nothing else does. Requests with multimodal inputs or
 prompt embeddings are neither loaded nor saved (their token ids do not identify their KV).
 
-vLLM is imported lazily: without it this module still imports, and the connector class can be
-driven by anything that makes vLLM's calls.
+vLLM's base classes come from :mod:`~kvmesh.integrations.vllm_compat`: without vLLM this module
+still imports, and the connector class can be driven by anything that makes vLLM's calls. The KV
+format and layout read from vLLM's config live in :mod:`~kvmesh.integrations.vllm_format`, the
+per-process store bridges in :mod:`~kvmesh.integrations.bridge_pool`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -43,311 +43,41 @@ import torch
 
 from kvmesh.core.hashing import Namespace
 from kvmesh.core.pins import transfer_pin_ttl
-from kvmesh.core.torch_kv import store_dtype_name
+from kvmesh.core.shared_writes import PromptBlocks, SharedWriteAnnouncer
 from kvmesh.core.types import ExternalBlockHash, Medium
 from kvmesh.errors import RequestError
 from kvmesh.integrations.background_loader import BackgroundLoader
 from kvmesh.integrations.background_saver import BackgroundSaver
+from kvmesh.integrations.bridge_pool import BRIDGES
 from kvmesh.integrations.connector_config import ConnectorSettings
-from kvmesh.integrations.paged_kv import PagedLayout, check_layers, detect_geometry
+from kvmesh.integrations.paged_kv import check_layers, detect_geometry
 from kvmesh.integrations.paged_transfer import PagedKVTransfer
 from kvmesh.integrations.request_tracker import LoadSpec, RequestTracker, SaveSpec
-from kvmesh.integrations.shared_events import PromptBlocks, SharedWriteAnnouncer
-from kvmesh.integrations.store_bridge import StoreBridge
+from kvmesh.integrations.vllm_compat import (
+    BlockStoredEvent,
+    ConnectorBase,
+    MetadataBase,
+    SharedTierEvents,
+    cache_hit_source,
+    external_block_hash,
+    kv_group_tags,
+    tensor_parallel_rank,
+)
+from kvmesh.integrations.vllm_format import cache_hit_source_name, declared_kv_layout, model_kv_format
 
 # Under vLLM's logger tree: vLLM configures only "vllm.*", so the connector's lines show in the
 # server's log, in its format and at its level, next to vLLM's own.
 _log = logging.getLogger("vllm.kvmesh.connector")
 _SAVER_CLOSE_TIMEOUT_S = 30.0
 
-try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorBase_V1 as _ConnectorBase,
-    )
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorMetadata as _MetadataBase,
-    )
-
-    HAS_VLLM = True
-except ImportError:
-    HAS_VLLM = False
-
-    class _MetadataBase:  # type: ignore[no-redef]
-        """Stands in for vLLM's metadata base class when vLLM is not installed."""
-
-    class _ConnectorBase:  # type: ignore[no-redef]
-        """The part of vLLM's connector base class this connector relies on, for use without vLLM."""
-
-        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-            self._connector_metadata: Any = None
-            self._vllm_config = vllm_config
-            self._kv_transfer_config = vllm_config.kv_transfer_config
-            self._kv_cache_config = kv_cache_config
-            self._role = role
-
-        @property
-        def role(self) -> Any:
-            return self._role
-
-        def bind_connector_metadata(self, connector_metadata: Any) -> None:
-            self._connector_metadata = connector_metadata
-
-        def clear_connector_metadata(self) -> None:
-            self._connector_metadata = None
-
-        def get_block_ids_with_load_errors(self) -> set[int]:
-            return set()
-
-        def _get_connector_metadata(self) -> Any:
-            assert self._connector_metadata is not None, "start_load_kv/wait_for_save called without metadata"
-            return self._connector_metadata
-
-
-try:
-    from vllm.distributed.kv_events import BlockStored as _BlockStored
-    from vllm.distributed.kv_events import KVConnectorKVEvents as _EventsBase
-except ImportError:  # no vLLM, or one whose connectors cannot publish KV events
-    from kvmesh.core.events import BlockStored as _BlockStored
-
-    class _EventsBase:  # type: ignore[no-redef]
-        """Stands in for vLLM's container of connector KV events."""
-
-
-class SharedTierEvents(_EventsBase):
-    """SHARED events one worker hands vLLM after a step (vLLM's container for connector events).
-
-    Only tensor-parallel rank 0 announces (the scheduler's lookup checks rank 0's chunks too), so
-    when vLLM merges the workers' containers there is nothing to reduce.
-    """
-
-    def __init__(self, events: list[Any] | None = None) -> None:
-        self._events = list(events or [])
-        self._num_workers = 1
-
-    def add_events(self, events: list[Any]) -> None:
-        self._events.extend(events)
-
-    def aggregate(self) -> SharedTierEvents:
-        return self
-
-    def increment_workers(self, count: int = 1) -> None:
-        self._num_workers += count
-
-    def get_all_events(self) -> list[Any]:
-        return list(self._events)
-
-    def get_number_of_workers(self) -> int:
-        return self._num_workers
-
-    def clear_events(self) -> None:
-        self._events.clear()
-
-
-class ConnectorRole(enum.Enum):
-    """The connector roles, for driving the connector without vLLM (vLLM passes its own enum;
-    the connector does not depend on the role: each side uses only its own methods)."""
-
-    SCHEDULER = 0
-    WORKER = 1
-
 
 @dataclass
-class KVMeshConnectorMetadata(_MetadataBase):
+class KVMeshConnectorMetadata(MetadataBase):
     """What the scheduler's connector sends the workers each step."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True, slots=True)
-class ModelKVFormat:
-    """The per-worker KV format that enters store keys.
-
-    Attributes:
-        kv_dtype: "float32", "float16" or "bfloat16".
-        num_layers: attention layers.
-        num_kv_heads: KV heads per tensor-parallel rank.
-        head_dim: values per head.
-        tp_size: tensor-parallel size.
-        tp_rank: this worker's rank (0 in the scheduler).
-    """
-
-    kv_dtype: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    tp_size: int = 1
-    tp_rank: int = 0
-
-    def layout_name(self) -> str:
-        """Layout string for store namespaces (TP > 1 adds the size and rank: ranks hold different heads)."""
-        base = f"L{self.num_layers}xH{self.num_kv_heads}xD{self.head_dim}"
-        return base if self.tp_size == 1 else f"{base}-tp{self.tp_size}r{self.tp_rank}"
-
-    def for_rank(self, tp_rank: int) -> ModelKVFormat:
-        """This format as seen by tensor-parallel rank ``tp_rank``."""
-        return ModelKVFormat(
-            self.kv_dtype, self.num_layers, self.num_kv_heads, self.head_dim, self.tp_size, tp_rank
-        )
-
-
-def model_kv_format(vllm_config: Any) -> ModelKVFormat:
-    """The KV format vLLM will use for ``vllm_config``'s model (rank 0).
-
-    Raises:
-        ValueError: a model or setting the connector does not handle (MLA, pipeline parallelism,
-            a quantized KV cache).
-    """
-    model_config = vllm_config.model_config
-    parallel_config = vllm_config.parallel_config
-    if getattr(model_config, "use_mla", False):
-        raise ValueError("KVMeshConnector does not handle MLA models (latent KV cache)")
-    if getattr(parallel_config, "pipeline_parallel_size", 1) != 1:
-        raise ValueError("KVMeshConnector does not handle pipeline parallelism")
-    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
-    if cache_dtype == "auto":
-        dtype = model_config.dtype
-    elif cache_dtype in {"float16", "half"}:
-        dtype = torch.float16
-    elif cache_dtype == "bfloat16":
-        dtype = torch.bfloat16
-    elif cache_dtype == "float32":
-        dtype = torch.float32
-    else:
-        raise ValueError(f"KVMeshConnector needs a float16/bfloat16/float32 KV cache, got {cache_dtype!r}")
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    return ModelKVFormat(
-        kv_dtype=store_dtype_name(dtype),
-        num_layers=int(model_config.get_num_layers(parallel_config)),
-        num_kv_heads=int(model_config.get_num_kv_heads(parallel_config)),
-        head_dim=int(model_config.get_head_size()),
-        tp_size=int(getattr(parallel_config, "tensor_parallel_size", 1)),
-    )
-
-
-_PROBE_BLOCKS = 7919
-"""A block count no other axis of a probed cache shape can equal (prime, larger than any head count)."""
-
-
-def _attention_backend(vllm_config: Any, layer_name: str) -> Any:
-    """The attention backend class vLLM chose for ``layer_name`` (``None`` when not reachable)."""
-    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None)
-    layer = context.get(layer_name) if isinstance(context, dict) else None
-    if layer is None:
-        return None
-    backend = getattr(layer, "attn_backend", None)
-    if backend is None and hasattr(layer, "get_attn_backend"):
-        backend = layer.get_attn_backend()
-    return backend
-
-
-def _backend_name(backend: Any) -> str:
-    try:
-        return str(backend.get_name())
-    except Exception:  # any failure only costs the name in messages
-        return getattr(backend, "__name__", "an unknown attention backend")
-
-
-def declared_kv_layout(
-    vllm_config: Any, layer_name: str, block_size: int, num_kv_heads: int, head_dim: int
-) -> tuple[PagedLayout | None, str]:
-    """The per-layer cache layout vLLM declares, and who declared it (for messages).
-
-    vLLM 0.32 and later hand every attention backend a logical ``[B, H, N, C]`` view per layer
-    (K then V in C; the physical order is the resolved ``KVCacheLayout``). Earlier versions give
-    each backend's ``get_kv_cache_shape``, probed here with a block count no other axis can equal.
-
-    Returns:
-        ``(layout, source)``; ``layout`` is ``None`` when vLLM declares nothing readable (the
-        shape then decides).
-
-    Raises:
-        ValueError: the backend declares a shape the connector cannot read.
-    """
-    backend = _attention_backend(vllm_config, layer_name)
-    name = _backend_name(backend) if backend is not None else "vLLM"
-    try:
-        import vllm.v1.kv_cache_layout  # noqa: F401  (present since the [B, H, N, C] views)
-    except ImportError:
-        pass
-    else:
-        order = "unresolved"
-        resolve = getattr(vllm_config.cache_config, "get_resolved_kv_cache_layout", None)
-        if callable(resolve):
-            try:
-                order = resolve().name
-            except ValueError:
-                pass
-        return PagedLayout.HEADS_KV_CONCAT, f"{name}, [B, H, N, C] view in {order} memory order"
-    shape_of = getattr(backend, "get_kv_cache_shape", None)
-    if shape_of is None:
-        return None, name
-    shape = tuple(shape_of(_PROBE_BLOCKS, block_size, num_kv_heads, head_dim))
-    if len(shape) == 5 and shape[1] == _PROBE_BLOCKS and shape[0] == 2:
-        return PagedLayout.KV_FIRST, f"{name}, get_kv_cache_shape {list(shape)}"
-    if len(shape) == 5 and shape[0] == _PROBE_BLOCKS and shape[1] == 2:
-        return PagedLayout.BLOCKS_FIRST, f"{name}, get_kv_cache_shape {list(shape)}"
-    raise ValueError(
-        f"KVMeshConnector cannot read the KV cache of attention backend {name}: it declares "
-        f"get_kv_cache_shape(num_blocks, {block_size}, {num_kv_heads}, {head_dim}) = {list(shape)} "
-        "(num_blocks probed as 7919); supported: [2, B, N, H, D], [B, 2, N, H, D] and [B, H, N, 2*D]"
-    )
-
-
-def cache_hit_source_name(store: Any) -> str:
-    """vLLM's ``CacheHitSource`` value for hits served by ``store``'s outermost tier.
-
-    A shared Redis/Valkey tier is remote ("external_unspecified"); a disk or shared directory is
-    "disk"; a RAM tier alone is "host".
-    """
-    if getattr(store, "remote_url", None):
-        return "external_unspecified"
-    if getattr(store, "local_disk", None) or getattr(store, "shared_dir", None):
-        return "disk"
-    return "host"
-
-
-class _BridgePool:
-    """One store bridge per configuration per process, shared by the scheduler's and the
-    workers' connectors when they live in one process (their RAM tier is then one tier)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._bridges: dict[tuple[object, ...], tuple[StoreBridge, int]] = {}
-
-    def acquire(self, settings: ConnectorSettings) -> StoreBridge:
-        key = (settings.store, settings.lookup_timeout_s, settings.retrieve_timeout_s, settings.max_inflight)
-        with self._lock:
-            entry = self._bridges.get(key)
-            if entry is None:
-                bridge = StoreBridge(
-                    settings.store,
-                    lookup_timeout_s=settings.lookup_timeout_s,
-                    retrieve_timeout_s=settings.retrieve_timeout_s,
-                    max_inflight=settings.max_inflight,
-                )
-                self._bridges[key] = (bridge, 1)
-                return bridge
-            self._bridges[key] = (entry[0], entry[1] + 1)
-            return entry[0]
-
-    def release(self, bridge: StoreBridge) -> None:
-        with self._lock:
-            for key, (held, count) in self._bridges.items():
-                if held is bridge:
-                    if count > 1:
-                        self._bridges[key] = (held, count - 1)
-                        return
-                    del self._bridges[key]
-                    break
-            else:
-                return
-        bridge.close()
-
-
-_BRIDGES = _BridgePool()
 
 
 def _first_group(block_ids: Any) -> list[int] | None:
@@ -357,29 +87,6 @@ def _first_group(block_ids: Any) -> list[int] | None:
     if len(block_ids) and isinstance(block_ids[0], list | tuple):
         return list(block_ids[0])
     return list(block_ids)
-
-
-def _external_block_hash() -> Any:
-    """vLLM's conversion of its block hashes to the ones its events carry (as is without vLLM)."""
-    try:
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-    except ImportError:
-        return lambda block_hash: block_hash
-    return maybe_convert_block_hash
-
-
-def _kv_group_tags(kv_cache_config: Any) -> tuple[int | None, str | None, int | None]:
-    """``(group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window)`` as vLLM's own events for
-    the (only) KV cache group carry them; all ``None`` when vLLM passed no KV cache config."""
-    groups = getattr(kv_cache_config, "kv_cache_groups", None)
-    if not groups:
-        return None, None, None
-    try:
-        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
-    except ImportError:  # a vLLM whose events carry no cache kind
-        return 0, None, None
-    spec = groups[0].kv_cache_spec
-    return 0, str(get_kv_cache_spec_kind(spec).value), get_kv_cache_spec_sliding_window(spec)
 
 
 def _pin_ttl(request: Any) -> float | None:
@@ -401,7 +108,7 @@ def _keyed_by_tokens(request: Any) -> bool:
     )
 
 
-class KVMeshConnector(_ConnectorBase):
+class KVMeshConnector(ConnectorBase):
     """vLLM v1 KV connector backed by :class:`~kvmesh.store.cache_engine.KVCacheEngine`.
 
     Args:
@@ -425,7 +132,7 @@ class KVMeshConnector(_ConnectorBase):
             super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         except TypeError:
             super().__init__(vllm_config=vllm_config, role=role)  # vLLM before kv_cache_config existed
-        if not hasattr(_ConnectorBase, "get_block_ids_with_load_errors"):
+        if not hasattr(ConnectorBase, "get_block_ids_with_load_errors"):
             raise ValueError(
                 "this vLLM cannot recompute blocks whose load failed (no get_block_ids_with_load_errors); "
                 "KVMeshConnector needs a vLLM that has it"
@@ -447,7 +154,7 @@ class KVMeshConnector(_ConnectorBase):
             getattr(model_config, "served_model_name", None) or model_config.model
         )
         self.revision = self.settings.revision or str(getattr(model_config, "revision", None) or "")
-        self.bridge = _BRIDGES.acquire(self.settings)
+        self.bridge = BRIDGES.acquire(self.settings)
         fmt = self.kv_format
         element_bytes = 4 if fmt.kv_dtype == "float32" else 2
         # A process that only reads learns no chunk size from its writes: announce it, so its first
@@ -468,8 +175,8 @@ class KVMeshConnector(_ConnectorBase):
         self.transfer: PagedKVTransfer | None = None
         self._failed_blocks: set[int] = set()
         self.announces_shared_writes = self._will_announce(vllm_config, kv_cache_config)
-        self._group_tags = _kv_group_tags(kv_cache_config)
-        self._to_external_hash = _external_block_hash()
+        self._group_tags = kv_group_tags(kv_cache_config)
+        self._to_external_hash = external_block_hash()
         self._announcer: SharedWriteAnnouncer | None = None
         self._shared_events: list[Any] = []
         self._saving_req_ids: set[str] = set()
@@ -502,14 +209,9 @@ class KVMeshConnector(_ConnectorBase):
 
     def _set_cache_hit_source(self) -> None:
         """Label kvmesh's hits in vLLM's ``vllm:external_prefix_cache_hits`` by the store tier."""
-        if not HAS_VLLM:
-            return
-        try:
-            from vllm.v1.metrics.cache_hit_source import CacheHitSource
-        except ImportError:  # a vLLM without per-source hit metrics
-            return
-        config = getattr(self.bridge.engine, "config", None)
-        self._cache_hit_source = CacheHitSource(cache_hit_source_name(config))
+        source = cache_hit_source(cache_hit_source_name(getattr(self.bridge.engine, "config", None)))
+        if source is not None:
+            self._cache_hit_source = source
 
     # ---------------------------------------------------------------- keys
 
@@ -684,14 +386,10 @@ class KVMeshConnector(_ConnectorBase):
         self.kv_format = fmt
         self.transfer = PagedKVTransfer(layers, geometry, self.bridge)
         if self.announces_shared_writes and fmt.tp_rank == 0:
-            self._announcer = SharedWriteAnnouncer(_BlockStored)
+            self._announcer = SharedWriteAnnouncer(BlockStoredEvent)
 
     def _tp_rank(self) -> int:
-        if self.kv_format.tp_size == 1 or not HAS_VLLM:
-            return 0
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        return int(get_tensor_model_parallel_rank())
+        return 0 if self.kv_format.tp_size == 1 else tensor_parallel_rank()
 
     def _worker_namespace(self, spec_namespace: Namespace) -> Namespace:
         """The scheduler keys by rank 0's layout; each worker reads and writes its own rank's."""
@@ -811,7 +509,7 @@ class KVMeshConnector(_ConnectorBase):
         bridge = getattr(self, "bridge", None)
         if bridge is not None:
             self.bridge = None  # type: ignore[assignment]
-            _BRIDGES.release(bridge)
+            BRIDGES.release(bridge)
 
 
 _Spec = TypeVar("_Spec", LoadSpec, SaveSpec)

@@ -21,9 +21,8 @@ from typing import Protocol
 
 from kvmesh.store.keys import StoreKey
 
-ChunkData = bytes | bytearray | memoryview
-"""An encoded chunk as a backend hands it out or takes it in (a ``bytearray``: one encoded into a
-buffer the RAM tier recycles, :mod:`kvmesh.store.chunk_buffers`)."""
+ChunkData = bytes | memoryview
+"""An encoded chunk as a backend hands it out or takes it in."""
 
 
 @dataclass(slots=True)

@@ -1,33 +1,40 @@
 """SHARED announcements: a prompt's blocks reached a shared store tier, so every replica can load them.
 
-When a save's write lands in a shared tier (Redis/Valkey, a shared directory), the engine publishes
-one ``BlockStored`` with ``medium="SHARED"`` for the prompt's blocks from the root through the run
-of chunks that tier holds (the store checks the chunks the save skipped). The event names the blocks exactly as the engine's own events
-do (its block hashes, block size, LoRA and extra keys), so a router keeps one identity per block::
+When a write lands in a shared tier (Redis/Valkey, a shared directory), the writer publishes one
+``BlockStored`` with ``medium="SHARED"`` for the prompt's blocks from the root through the run of
+chunks that tier holds (the store checks the chunks the write skipped). The event names the blocks
+exactly as the writer's own events do (its block hashes, block size, LoRA and extra keys), so a
+router keeps one identity per block.
 
-    scheduler   lookup ─► PromptBlocks (the engine's names for the prompt's blocks)
-                          └─► SaveSpec.blocks ─► worker
-    worker      store write ─► on_written(tier, end) ─► SharedWriteAnnouncer ─► BlockStored(SHARED)
-                                                        └─► take_events() ─► the engine's publisher
+This is the one announcer of the project; kvmesh's engine and the vLLM connector both use it::
 
-Only the parts that need no engine live here; the connector supplies the event class (vLLM's own
-``BlockStored`` under vLLM) and moves the events.
+    engine      store write ─► on_written(medium, end) ─┐
+    vLLM        scheduler lookup ─► PromptBlocks ─► SaveSpec.blocks ─► worker's store write ─► on_written(tier, end)
+                                                        └─► SharedWriteAnnouncer ─► BlockStored(SHARED)
+                                                            └─► take_events() ─► the writer's publisher
+
+``extra_keys`` follow vLLM's event convention: per block, the LoRA name on every block, then the
+cache salt (kvmesh's tenant) on the first one; the router reads the tenant from block 0's keys.
+The writer supplies the event class (vLLM's own ``BlockStored`` under vLLM, else
+:class:`kvmesh.core.events.BlockStored`) and moves the events.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from kvmesh.core.types import ExternalBlockHash, Medium
-from kvmesh.store.cache_engine import PrefixWritten
+
+PrefixWritten: TypeAlias = Callable[[str, int], None]
+"""A store's report that tier ``tier`` (its name, or a :class:`Medium`) holds a prompt's first ``end`` tokens."""
 
 
 @dataclass(frozen=True, slots=True)
 class PromptBlocks:
-    """How the engine names a prompt's full blocks in its KV events.
+    """How the writing engine (kvmesh's or vLLM) names a prompt's full blocks in its KV events.
 
     Attributes:
         block_hashes: the engine's external hashes of the prompt's first blocks, in chain order.
@@ -73,7 +80,7 @@ def shared_stored_event(
     Returns:
         The event, or ``None`` when ``end`` covers no whole block that ``blocks`` names.
     """
-    num_blocks = min(end // blocks.block_size, len(blocks.block_hashes), len(token_ids) // blocks.block_size)
+    num_blocks = _num_blocks(blocks, token_ids, end)
     if num_blocks <= 0:
         return None
     optional = {
@@ -96,18 +103,25 @@ def shared_stored_event(
     )
 
 
+def _num_blocks(blocks: PromptBlocks, token_ids: Sequence[int], end: int) -> int:
+    """Whole blocks of ``token_ids[0:end]`` that ``blocks`` names."""
+    return min(end // blocks.block_size, len(blocks.block_hashes), len(token_ids) // blocks.block_size)
+
+
 class SharedWriteAnnouncer:
     """Turns one worker's store-write reports into SHARED events.
 
-    Reports arrive on the store's loop thread; :meth:`take_events` runs on the engine's, hence
-    the lock.
+    Reports may arrive on the store's loop thread while :meth:`take_events` runs on the engine's,
+    hence the lock.
 
     Args:
         event_type: the ``BlockStored`` class to build.
+        wake: called after each new event (the writer may be idle and must publish it).
     """
 
-    def __init__(self, event_type: type[Any]) -> None:
+    def __init__(self, event_type: type[Any], wake: Callable[[], None] | None = None) -> None:
         self.event_type = event_type
+        self._wake = wake
         self._lock = threading.Lock()
         self._events: list[Any] = []
 
@@ -115,18 +129,18 @@ class SharedWriteAnnouncer:
         """The ``on_written`` callback of one save of ``token_ids``: an event whenever a shared
         tier holds more of the prompt than announced for this save (a second shared tier that
         holds as much adds nothing; local tiers and dropped writes add nothing)."""
-        announced = 0
+        announced = 0  # blocks
 
         def report(tier: str, end: int) -> None:
             nonlocal announced
-            if Medium.parse(tier) is not Medium.SHARED or end <= announced:
+            if Medium.parse(tier) is not Medium.SHARED or _num_blocks(blocks, token_ids, end) <= announced:
                 return
             event = shared_stored_event(blocks, token_ids, end, self.event_type)
-            if event is None:
-                return
-            announced = end
+            announced = len(event.block_hashes)
             with self._lock:
                 self._events.append(event)
+            if self._wake is not None:
+                self._wake()
 
         return report
 

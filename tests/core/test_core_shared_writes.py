@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.core.events import BlockStored
-from kvmesh.integrations.shared_events import PromptBlocks, SharedWriteAnnouncer, shared_stored_event
+from kvmesh.core.shared_writes import PromptBlocks, SharedWriteAnnouncer, shared_stored_event
 
 PROMPT = list(range(1000, 1100))
 BLOCKS = PromptBlocks((11, 12, 13, 14, 15, 16), 16)
