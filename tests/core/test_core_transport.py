@@ -310,3 +310,26 @@ async def test_a_flood_of_queued_batches_leaves_the_event_loop_to_other_tasks():
         await sub.aclose()
         pub.close()
     await task
+
+
+async def test_an_idle_publisher_thread_sleeps_until_a_batch_or_a_replay_request():
+    pub = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    col = Collector()
+    sub = ZmqEventSubscriber(col.on_batch, col.on_reset)
+    try:
+        await asyncio.sleep(0.3)
+        # a polling sender would have woken every few milliseconds by now
+        assert pub.num_wakeups == 0
+        sub.add_publisher(PodId("a"), pub.endpoint, pub.replay_endpoint)
+        task = asyncio.create_task(sub.run())
+        await wait_for(lambda: pub.num_replay_requests == 1)
+        await asyncio.sleep(0.2)
+        pub.publish([stored(7)])
+        await wait_for(lambda: col.hashes == [7])
+        await asyncio.sleep(0.3)
+        # the replay request and the batch, each once or twice (a doorbell read racing a publish)
+        assert 2 <= pub.num_wakeups <= 4
+    finally:
+        await sub.aclose()
+        pub.close()
+    await task

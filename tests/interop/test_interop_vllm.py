@@ -222,9 +222,10 @@ def test_router_routes_repeats_to_the_holder_and_beats_round_robin(
 def test_restarted_router_rebuilds_its_index_from_vllm_replay(
     vllm_pair: list[LiveVllm], router: dict[str, Any]
 ) -> None:
-    if "holders" not in router:  # run alone: make the router learn one prefix first
+    if "holders" not in router:  # run alone: make the router learn a few prefixes (batches) first
         router["holders"] = {
-            0: complete(router["url"], group_prompts(seed=2, groups=1, repeats=1)[0][1]).endpoint
+            group: complete(router["url"], prompt).endpoint
+            for group, prompt in group_prompts(seed=2, groups=3, repeats=1)
         }
         time.sleep(0.3)
     before = indexed_blocks(admin_index(router["url"]))
@@ -238,7 +239,7 @@ def test_restarted_router_rebuilds_its_index_from_vllm_replay(
         if rebuilt >= before:
             break
         time.sleep(0.1)
-    assert rebuilt > 0, "no blocks replayed from vLLM's replay socket"
+    assert rebuilt >= before, f"{rebuilt} of the {before} blocks replayed from vLLM's replay socket in 5 s"
     body = admin_index(router["url"])
     assert body["subscriber"]["num_replayed"] > 0
     assert body["subscriber"]["num_malformed"] == 0

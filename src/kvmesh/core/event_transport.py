@@ -26,7 +26,9 @@ blocks the engine loop; when the queue is full the batch is dropped and counted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -127,7 +129,13 @@ class ZmqEventPublisher:
         self.num_published = 0
         self.num_dropped = 0
         self.num_replay_requests = 0
+        self.num_wakeups = 0
+        """Times the sender thread woke up (a batch to send, a replay request, closing)."""
         self._closed = False
+        # The sender thread sleeps in poll() until a batch is queued (the doorbell) or a replay
+        # request arrives: an idle engine's publisher costs no wake-ups.
+        self._doorbell_r, self._doorbell_w = os.pipe()
+        os.set_blocking(self._doorbell_w, False)
         self._thread = threading.Thread(target=self._run, name="kvmesh-event-publisher", daemon=True)
         self._thread.start()
 
@@ -139,6 +147,13 @@ class ZmqEventPublisher:
             self._queue.put_nowait(KVEventBatch(time.time(), list(events), self._dp_rank))
         except queue.Full:
             self.num_dropped += 1
+            return
+        self._ring()
+
+    def _ring(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            # a full pipe already holds a wake-up the thread has not consumed yet
+            os.write(self._doorbell_w, b"\0")
 
     def close(self, timeout: float = 2.0) -> None:
         """Send what is queued (waiting at most ``timeout``), then close the sockets."""
@@ -149,7 +164,11 @@ class ZmqEventPublisher:
             self._queue.put(_SENTINEL, timeout=timeout)
         except queue.Full:
             pass
+        self._ring()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            os.close(self._doorbell_r)
+        os.close(self._doorbell_w)
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
@@ -157,23 +176,25 @@ class ZmqEventPublisher:
 
     def _run(self) -> None:
         poller = zmq.Poller()
+        poller.register(self._doorbell_r, zmq.POLLIN)
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
         while True:
-            try:
-                item = self._queue.get(timeout=0.005)
-            except queue.Empty:
-                item = None
-            while item is not None:
+            ready = dict(poller.poll())
+            self.num_wakeups += 1
+            if self._doorbell_r in ready:
+                # emptied before the queue: a batch queued after this read rings again
+                os.read(self._doorbell_r, 4096)
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
                 if item is _SENTINEL:
                     return
                 assert isinstance(item, KVEventBatch), f"unexpected queue item {type(item).__name__}"
                 self._send(item)
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    item = None
-            if self._replay is not None and poller.poll(0):
+            if self._replay is not None and self._replay in ready:
                 self._serve_replay()
 
     def _send(self, batch: KVEventBatch) -> None:

@@ -7,6 +7,7 @@ Each tier is measured as the store runs it: a one-tier :class:`~kvmesh.store.tie
 tier        put / get measured                                   baseline in the same run
 ==========  ===================================================  =================================
 cpu         encode + insert / locate + verify (zero-copy view)   numpy memcpy of the same bytes
+            (encode into a buffer the tier recycled)
 disk, fs    queue + tmp-write + rename / read + verify           plain open/write/close, open/read
 redis       queue + EXISTS + pipelined SET /                     redis-py pipelined SET / GET of
 valkey      EXISTS + pipelined GET + verify                      the same values, same client
@@ -40,7 +41,7 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from kvmesh.core.types import BlockKey
-from kvmesh.store.backends.base import Backend
+from kvmesh.store.backends.base import Backend, ChunkData
 from kvmesh.store.backends.disk import DiskBackend
 from kvmesh.store.backends.fs import SharedDirBackend
 from kvmesh.store.backends.memory import MemoryBackend
@@ -168,8 +169,10 @@ async def _bench_tier(
     async def tier_put() -> None:
         # The RAM tier's put is the encode (its one copy); slower tiers write the encoded chunk
         # the engine already made for the RAM tier, so their put starts from encoded bytes.
-        if tier == "cpu":
-            items = [(k, codec.encode(k, a)) for k, a in zip(keys, arrays, strict=True)]
+        items: list[tuple[StoreKey, ChunkData]]
+        if isinstance(backend, MemoryBackend):
+            take = backend.buffers.take
+            items = [(k, codec.encode(k, a, into=take)) for k, a in zip(keys, arrays, strict=True)]
         else:
             items = list(zip(keys, encoded, strict=True))
         await store.put(items)

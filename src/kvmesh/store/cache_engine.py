@@ -25,7 +25,9 @@ from typing import TypeAlias
 import numpy as np
 
 from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
+from kvmesh.store.backends.base import ChunkData
 from kvmesh.store.backends.changes import Watchable
+from kvmesh.store.backends.memory import MemoryBackend
 from kvmesh.store.codec import kv_dtype_name
 from kvmesh.store.config import PIN_TIERS, StoreConfig, resolve_config
 from kvmesh.store.factory import LOCAL_TIERS, build_store
@@ -287,9 +289,13 @@ class KVCacheEngine:
         codec = self.tiered.codec
         c = self.chunk_size
 
-        def encode() -> list[tuple[StoreKey, bytes]]:
+        fastest = self.tiered.tiers[0].backend if self.tiered.tiers else None
+        into = fastest.buffers.take if isinstance(fastest, MemoryBackend) else None
+
+        def encode() -> list[tuple[StoreKey, ChunkData]]:
             return [
-                (keys[i], codec.encode(keys[i], kv[:, :, :, i * c : (i + 1) * c, :], dtype)) for i in todo
+                (keys[i], codec.encode(keys[i], kv[:, :, :, i * c : (i + 1) * c, :], dtype, into=into))
+                for i in todo
             ]
 
         if kv.nbytes * len(todo) // max(1, len(keys)) > _ENCODE_IN_THREAD_BYTES:

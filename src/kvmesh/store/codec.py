@@ -28,8 +28,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import overload
 
 import msgspec
 import numpy as np
@@ -44,6 +46,8 @@ FLAG_HMAC = 0x01
 _PREFIX = struct.Struct("<4sBBI")
 _CHECKSUM = struct.Struct("<Q")
 HMAC_BYTES = 32
+_COPY_BLOCK = 1 << 20
+"""Bytes copied into an encode buffer before they are checksummed: they are still in cache."""
 MAX_HEADER_BYTES = 4096
 
 BFLOAT16 = "bfloat16"
@@ -253,7 +257,32 @@ class ChunkCodec:
         self.codec = Codec.parse(codec) if isinstance(codec, str) else codec
         self.hmac_key = hmac_key or None
 
-    def encode(self, key: StoreKey, kv: np.ndarray, dtype: str | None = None) -> bytes:
+    @overload
+    def encode(self, key: StoreKey, kv: np.ndarray, dtype: str | None = None) -> bytes: ...
+
+    @overload
+    def encode(
+        self, key: StoreKey, kv: np.ndarray, dtype: str | None = None, *, into: Callable[[int], bytearray]
+    ) -> bytearray: ...
+
+    @overload
+    def encode(
+        self,
+        key: StoreKey,
+        kv: np.ndarray,
+        dtype: str | None = None,
+        *,
+        into: Callable[[int], bytearray] | None,
+    ) -> bytes | bytearray: ...
+
+    def encode(
+        self,
+        key: StoreKey,
+        kv: np.ndarray,
+        dtype: str | None = None,
+        *,
+        into: Callable[[int], bytearray] | None = None,
+    ) -> bytes | bytearray:
         """Encode one chunk.
 
         Args:
@@ -261,6 +290,10 @@ class ChunkCodec:
             kv: KV of the chunk, shape (L, 2, H, T, D).
             dtype: the KV dtype name; required to tell bfloat16 from other uint16 data only when
                 the caller wants it checked, otherwise inferred (uint16 means bfloat16).
+            into: gives a writable buffer of the encoded size (the RAM tier's recycled buffers,
+                :class:`~kvmesh.store.chunk_buffers.ChunkBuffers`); the chunk is written there in
+                one pass, each block checksummed while the copy still has it in cache, and that
+                buffer is returned. Without it the chunk is a new ``bytes``.
 
         Raises:
             ValueError: wrong rank or dtype, or non-finite values with a quantized codec.
@@ -291,6 +324,8 @@ class ChunkCodec:
         flags = FLAG_HMAC if self.hmac_key else 0
         prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(header_bytes))
         parts: list[bytes | memoryview] = [prefix, header_bytes, *payload_parts]
+        if into is not None:
+            return self._encode_into(into, parts, payload_len)
         digest = xxhash.xxh3_64()
         mac = hmac.new(self.hmac_key, digestmod=hashlib.sha256) if self.hmac_key else None
         for part in parts:
@@ -304,7 +339,34 @@ class ChunkCodec:
             parts.append(mac.digest())
         return b"".join(parts)
 
-    def read_header(self, data: bytes | memoryview) -> ChunkHeader:
+    def _encode_into(
+        self, into: Callable[[int], bytearray], parts: list[bytes | memoryview], payload_len: int
+    ) -> bytearray:
+        body_len = sum(len(p) for p in parts)
+        tag_len = HMAC_BYTES if self.hmac_key else 0
+        buf = into(body_len + _CHECKSUM.size + tag_len)
+        if len(buf) != body_len + _CHECKSUM.size + tag_len:
+            raise ValueError(
+                f"encode buffer is {len(buf)} bytes, the chunk {body_len + _CHECKSUM.size + tag_len}"
+            )
+        out = memoryview(buf)
+        digest = xxhash.xxh3_64()
+        pos = 0
+        for part in parts:
+            n = len(part)
+            for start in range(0, n, _COPY_BLOCK):
+                end = min(start + _COPY_BLOCK, n)
+                block = out[pos + start : pos + end]
+                block[:] = part[start:end]
+                digest.update(block)
+            pos += n
+        _CHECKSUM.pack_into(buf, body_len, digest.intdigest())
+        if self.hmac_key:
+            mac = hmac.new(self.hmac_key, out[: body_len + _CHECKSUM.size], hashlib.sha256)
+            out[body_len + _CHECKSUM.size :] = mac.digest()
+        return buf
+
+    def read_header(self, data: bytes | bytearray | memoryview) -> ChunkHeader:
         """Parse the header without verifying the payload (for tools that list chunks).
 
         Raises:
@@ -313,7 +375,7 @@ class ChunkCodec:
         header, _, _ = self._parse(memoryview(data))
         return header
 
-    def decode(self, data: bytes | memoryview, expected: StoreKey | None = None) -> DecodedChunk:
+    def decode(self, data: bytes | bytearray | memoryview, expected: StoreKey | None = None) -> DecodedChunk:
         """Verify and decode one chunk.
 
         For the raw codec the returned array is a read-only view of ``data`` (no copy).
@@ -326,7 +388,7 @@ class ChunkCodec:
             CorruptChunkError: bad magic or version, truncation, checksum or HMAC mismatch,
                 a header that contradicts itself, or a key other than ``expected``.
         """
-        view = memoryview(data)
+        view = memoryview(data).toreadonly()
         header, payload_start, flags = self._parse(view)
         body_end = payload_start + header.payload_len
         tag_len = HMAC_BYTES if flags & FLAG_HMAC else 0

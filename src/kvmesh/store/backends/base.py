@@ -21,8 +21,9 @@ from typing import Protocol
 
 from kvmesh.store.keys import StoreKey
 
-ChunkData = bytes | memoryview
-"""An encoded chunk as a backend hands it out or takes it in."""
+ChunkData = bytes | bytearray | memoryview
+"""An encoded chunk as a backend hands it out or takes it in (a ``bytearray``: one encoded into a
+buffer the RAM tier recycles, :mod:`kvmesh.store.chunk_buffers`)."""
 
 
 @dataclass(slots=True)

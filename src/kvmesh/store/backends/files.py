@@ -53,7 +53,7 @@ def parse_chunk_path(group_dir: Path, name: str) -> StoreKey | None:
         return None
 
 
-def write_atomic(path: Path, data: bytes | memoryview, *, fsync: bool = False) -> None:
+def write_atomic(path: Path, data: bytes | bytearray | memoryview, *, fsync: bool = False) -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f"{TMP_PREFIX}{_HOST}-{os.getpid()}-{uuid.uuid4().hex}"

