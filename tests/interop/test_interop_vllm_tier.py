@@ -143,5 +143,7 @@ def test_a_publisher_restart_drops_the_tier_blocks_only_it_announced() -> None:
     assert pod not in after.pods
     assert after.shared is not None and after.hit_tokens(other) == 16  # only the peer's chunk is left
 
-    applier.forget_pod(peer)  # the peer left the fleet: nobody vouches for the tier's chunks now
-    assert match_prefix(idx, hasher, tokens).hit_tokens(other) == 0
+    applier.forget_pod(peer)  # the peer left the fleet: what it wrote stays in the store for the others
+    assert match_prefix(idx, hasher, tokens).hit_tokens(other) == 16
+    applier.publisher_restarted(pod)  # nobody vouches for that chunk any longer; nothing is dropped twice
+    assert match_prefix(idx, hasher, tokens).hit_tokens(other) == 16

@@ -203,23 +203,23 @@ class EventApplier:
 
     def forget_pod(self, pod: PodId) -> int:
         """:meth:`drop_pod`, and forget the pod's block size too (it left the fleet); the shared
-        tier's blocks only ``pod`` announced go with it.
+        tier's blocks it announced stay (the store still holds them for every other pod).
 
         Returns:
             Index entries dropped.
         """
-        dropped = self.drop_pod(pod) + self._withdraw_shared(pod)
+        dropped = self.drop_pod(pod) + self._withdraw_shared(pod, orphan=False)
         self._pods.pop(pod, None)
         self._noted = {note for note in self._noted if note[0] != pod}
         self._groups.forget(pod, notes=True)
         return dropped
 
-    def _withdraw_shared(self, pod: PodId) -> int:
+    def _withdraw_shared(self, pod: PodId, *, orphan: bool = True) -> int:
         shared = self._pods.get(SHARED_TIER_HOLDER)
         if shared is None:
             self._vouchers.clear()
             return 0
-        orphaned = self._vouchers.withdraw(pod, lambda h: shared.entry(h) is not None)
+        orphaned = self._vouchers.withdraw(pod, lambda h: shared.entry(h) is not None, orphan=orphan)
         if not orphaned:
             return 0
         touched = shared.remove_media(orphaned, _SHARED_BIT)

@@ -1,11 +1,12 @@
 """Which publishers vouch for each block of the shared tier's map.
 
-A block of the shared tier (an engine's shared store, vLLM's secondary tier) stays in the router's
-map only while some publisher that announced it is alive: when one restarts (its event sequence
-resets) or leaves the fleet, the router cannot tell which of its announcements still hold — the
-tier may have evicted them while no events flowed, or lived in the process that stopped — so the
-blocks no other publisher announced are dropped. A pod that reads such a block again announces it
-again; a dropped block the tier still holds is at worst a missed prefix credit, never a wrong one.
+When a publisher restarts (its event sequence resets), the router cannot tell which of its
+shared-tier announcements still hold — the tier may have evicted them while no events flowed, or
+lived in the process that restarted — so the blocks of the shared tier's map that no other
+publisher announced are dropped. A pod that writes such a block again announces it again; a
+dropped block the tier still holds is at worst a missed prefix credit, never a wrong one. A
+publisher that leaves the fleet (scale-down) only withdraws its name: what it wrote to a shared
+store stays there for every other pod, so its blocks stay in the map.
 
 Publishers get small numbers, and each engine hash maps to a bit mask of them, so the cost is one
 dict entry per shared block whatever the fleet's size.
@@ -46,7 +47,7 @@ class SharedVouchers:
             masks[h] = masks.get(h, 0) | bit
 
     def withdraw(
-        self, pod: PodId, still_held: Callable[[ExternalBlockHash], bool]
+        self, pod: PodId, still_held: Callable[[ExternalBlockHash], bool], *, orphan: bool = True
     ) -> list[ExternalBlockHash]:
         """``pod`` restarted or left: forget its vouches.
 
@@ -54,6 +55,8 @@ class SharedVouchers:
             pod: the publisher.
             still_held: whether the shared tier's map still tracks a hash; hashes it no longer
                 tracks are forgotten on the way (they left the map by eviction or removal).
+            orphan: return the hashes only ``pod`` vouched for (a restart); ``False`` forgets them
+                without returning them (the pod left, the blocks stay).
 
         Returns:
             Hashes the map still tracks that no other publisher vouches for: the caller drops them.
@@ -70,7 +73,8 @@ class SharedVouchers:
             elif mask & bit:
                 if mask == bit:
                     del masks[h]
-                    orphaned.append(h)
+                    if orphan:
+                        orphaned.append(h)
                 else:
                     masks[h] = mask & ~bit
         return orphaned
