@@ -100,6 +100,42 @@ def serve_backend(port: int, delay_ms: float) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
+def serve_passthrough(port: int, upstreams: list[str]) -> None:
+    """The least an aiohttp gateway does per request: read the body, post it to the next upstream
+    (round robin, one pooled client session), return the answer. No parsing, no routing: the
+    floor under any router built on aiohttp, run on uvloop as ``kvmesh router`` is."""
+    import itertools
+
+    import aiohttp
+    import uvloop
+    from aiohttp import web
+
+    turn = itertools.cycle(upstreams)
+
+    async def forward(request: web.Request) -> web.Response:
+        body = await request.read()
+        session: aiohttp.ClientSession = request.app["session"]
+        async with session.post(
+            next(turn) + request.path, data=body, headers={"Content-Type": "application/json"}
+        ) as up:
+            return web.Response(body=await up.read(), status=up.status, content_type="application/json")
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def open_session(app: web.Application) -> Any:
+        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        yield
+        await app["session"].close()
+
+    app = web.Application()
+    app.cleanup_ctx.append(open_session)
+    app.router.add_post("/v1/completions", forward)
+    app.router.add_post("/v1/chat/completions", forward)
+    app.router.add_get("/health", ok)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, loop=uvloop.new_event_loop())
+
+
 # ---------------------------------------------------------------------------- processes
 
 
@@ -243,6 +279,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--serve-backend", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-passthrough", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--upstreams", default="", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--passthrough",
+        action="store_true",
+        help="add a bare aiohttp pass-through proxy (no parsing, no routing) as the floor of any aiohttp router",
+    )
     parser.add_argument("--backends", type=int, default=3)
     parser.add_argument("--backend-delay-ms", type=float, default=5.0)
     parser.add_argument("--duration", type=float, default=8.0)
@@ -282,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.serve_backend:
         serve_backend(args.serve_backend, args.backend_delay_ms)
+        return 0
+    if args.serve_passthrough:
+        serve_passthrough(args.serve_passthrough, args.upstreams.split(","))
         return 0
 
     procs = Procs()
@@ -326,6 +372,21 @@ def main(argv: list[str] | None = None) -> int:
             name = f"kvmesh ({args.kvmesh_policy}, {num_workers} worker{'s' if num_workers > 1 else ''})"
             targets[name] = [f"http://127.0.0.1:{kv_port}"]
             pids[name] = kv_proc.pid
+        if args.passthrough:
+            pt_port = free_port()
+            pt_proc = procs.start(
+                [
+                    sys.executable,
+                    __file__,
+                    "--serve-passthrough",
+                    str(pt_port),
+                    "--upstreams",
+                    ",".join(backend_urls),
+                ]
+            )
+            wait_http(f"http://127.0.0.1:{pt_port}/health", 30)
+            targets["aiohttp pass-through (floor)"] = [f"http://127.0.0.1:{pt_port}"]
+            pids["aiohttp pass-through (floor)"] = pt_proc.pid
         if not args.skip_sglang:
             python = ensure_sglang_router(args.sglang_venv)
             sg_port, sg_prom = free_port(), free_port()
@@ -368,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         r["added_p99_ms"] = r["p99_ms"] - direct["p99_ms"]
     report: dict[str, Any] = {
         "config": {
-            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "serve_backend"
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("serve_backend", "serve_passthrough", "upstreams")
         },
         "results": results,
     }
