@@ -22,6 +22,7 @@ from kvmesh.core.types import BlockKey
 from kvmesh.store.backends.redis import RedisBackend
 from kvmesh.store.keys import StoreKey
 from kvmesh.store.local_server import LocalServer
+from kvmesh.store.pins import PinRequest
 
 GROUP = "00000000000000ab"
 PROMPT_CHUNKS = 32
@@ -51,20 +52,21 @@ async def _measure(flavor: str, sizes: list[int], repeats: int) -> list[dict[str
                 while pinned < size:
                     batch = [key(i) for i in range(pinned, min(size, pinned + 512))]
                     await backend.put_many([(k, VALUE) for k in batch])
-                    outcome = await backend.pins.pin_many(batch, "acme", 3600.0, 1 << 40)
+                    outcome = await backend.pins.pin_many(PinRequest(batch, "acme", 3600.0, 1 << 40))
                     assert outcome.accepted, outcome
                     pinned += len(batch)
                 extra = [key(10_000_000 + i) for i in range(PROMPT_CHUNKS)]
                 await backend.put_many([(k, VALUE) for k in extra])
                 first = time.perf_counter()
-                await backend.pins.pin_many(extra, "acme", 3600.0, 1 << 40)
+                await backend.pins.pin_many(PinRequest(extra, "acme", 3600.0, 1 << 40))
                 pin_ms = (time.perf_counter() - first) * 1000
                 repin_ms = await _median_ms(
-                    lambda keys=extra: backend.pins.pin_many(keys, "acme", 3600.0, 1 << 40), repeats
+                    lambda keys=extra: backend.pins.pin_many(PinRequest(keys, "acme", 3600.0, 1 << 40)),
+                    repeats,
                 )
                 check_ms = await _median_ms(
                     lambda keys=extra: backend.pins.pin_many(
-                        keys, "acme", 3600.0, 1 << 40, estimate_bytes=100
+                        PinRequest(keys, "acme", 3600.0, 1 << 40, estimate_bytes=100)
                     ),
                     repeats,
                 )

@@ -27,7 +27,7 @@ from kvmesh.store.config import StoreConfig
 from kvmesh.store.factory import build_store
 from kvmesh.store.keys import StoreKey
 from kvmesh.store.local_server import LocalServer, find_server_binary
-from kvmesh.store.pins import GB
+from kvmesh.store.pins import GB, PinRequest
 
 CHUNK = 256
 SHAPE = (2, 2, 2, CHUNK, 64)
@@ -332,7 +332,7 @@ def ram_key(i: int) -> StoreKey:
 async def test_the_ram_tier_passes_pinned_chunks_over_until_their_deadline() -> None:
     backend = MemoryBackend(10 * 1000)
     await backend.put_many([(ram_key(i), b"x" * 1000) for i in range(2)])
-    outcome = await backend.pins.pin_many([ram_key(0), ram_key(1)], "acme", 1.0, 5000)
+    outcome = await backend.pins.pin_many(PinRequest([ram_key(0), ram_key(1)], "acme", 1.0, 5000))
     assert outcome.accepted and outcome.used_bytes == 2000
     await backend.put_many([(ram_key(i), b"y" * 1000) for i in range(100, 130)])
     assert await backend.exists_many([ram_key(0), ram_key(1), ram_key(100)]) == [True, True, False]
@@ -347,10 +347,10 @@ async def test_the_ram_tier_passes_pinned_chunks_over_until_their_deadline() -> 
 async def test_a_ram_tier_full_of_pins_refuses_the_new_chunk_and_budgets_hold() -> None:
     backend = MemoryBackend(3 * 1000)
     await backend.put_many([(ram_key(i), b"x" * 1000) for i in range(3)])
-    assert (await backend.pins.pin_many([ram_key(0), ram_key(1)], "acme", 60.0, 2000)).accepted
-    over = await backend.pins.pin_many([ram_key(2)], "acme", 60.0, 2000)
+    assert (await backend.pins.pin_many(PinRequest([ram_key(0), ram_key(1)], "acme", 60.0, 2000))).accepted
+    over = await backend.pins.pin_many(PinRequest([ram_key(2)], "acme", 60.0, 2000))
     assert over.over_budget and over.added_bytes == 1000
-    assert (await backend.pins.pin_many([ram_key(2)], "beta", 60.0, 2000)).accepted
+    assert (await backend.pins.pin_many(PinRequest([ram_key(2)], "beta", 60.0, 2000))).accepted
     assert await backend.put_many([(ram_key(9), b"y" * 1000)]) == 0
     assert await backend.exists_many([ram_key(i) for i in (0, 1, 2, 9)]) == [True, True, True, False]
     await backend.delete_many([ram_key(2)])

@@ -67,28 +67,30 @@ class PinOutcome:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class PinRequest:
+    """One tenant's pin of some chunks in one tier."""
+
+    keys: Sequence[StoreKey]
+    """Chunk keys of the tenant's namespace."""
+    tenant: str
+    """Whose budget pays."""
+    ttl_s: float
+    """The pin's lifetime, in seconds from now."""
+    budget_bytes: int
+    """The tenant's budget in this tier."""
+    estimate_bytes: int | None = None
+    """A check only (nothing changes), counting a key the tier lacks at this many bytes: it is about
+    to be written."""
+
+
 @runtime_checkable
 class PinLedger(Protocol):
     """A tier's pins: taken, extended and released against per-tenant budgets."""
 
-    async def pin_many(
-        self,
-        keys: Sequence[StoreKey],
-        tenant: str,
-        ttl_s: float,
-        budget_bytes: int,
-        *,
-        estimate_bytes: int | None = None,
-    ) -> PinOutcome:
-        """Pin the held ``keys`` for ``ttl_s`` seconds if the tenant's total stays within budget.
-
-        Args:
-            keys: chunk keys of the tenant's namespace.
-            tenant: whose budget pays.
-            ttl_s: seconds from now.
-            budget_bytes: the tenant's budget in this tier.
-            estimate_bytes: a check only (nothing changes), counting a key the tier lacks at this
-                many bytes: it is about to be written.
+    async def pin_many(self, request: PinRequest) -> PinOutcome:
+        """Pin the held ``request.keys`` for ``request.ttl_s`` seconds if the tenant's total stays
+        within its budget (see :class:`PinRequest`).
 
         Raises:
             TierUnavailableError: the tier cannot be reached.

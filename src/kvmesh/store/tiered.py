@@ -38,7 +38,7 @@ from kvmesh.store.breaker import CircuitBreaker
 from kvmesh.store.codec import ChunkCodec, DecodedChunk
 from kvmesh.store.keys import StoreKey
 from kvmesh.store.metrics import StoreMetrics, TierCounters, TierSnapshot
-from kvmesh.store.pins import PinOutcome, pin_ledger
+from kvmesh.store.pins import PinOutcome, PinRequest, pin_ledger
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -544,7 +544,7 @@ class TieredStore:
             ledger = pin_ledger(tier.backend)
             if budget <= 0 or ledger is None:
                 continue
-            call = partial(ledger.pin_many, list(keys), tenant, ttl_s, budget, estimate_bytes=estimate_bytes)
+            call = partial(ledger.pin_many, PinRequest(list(keys), tenant, ttl_s, budget, estimate_bytes))
             if estimate_bytes is not None or not tier.queued:
                 out[tier.name] = await self._call(tier, "pin", call)
                 continue

@@ -24,14 +24,14 @@ import contextlib
 import fcntl
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 from kvmesh.core.hashing import hex_key
 from kvmesh.errors import TierUnavailableError
 from kvmesh.store.backends import files
 from kvmesh.store.keys import StoreKey
-from kvmesh.store.pins import PinLedger, PinOutcome, tenant_id
+from kvmesh.store.pins import PinLedger, PinOutcome, PinRequest, tenant_id
 
 PINS_DIR = ".pins"
 _LOCK = ".lock"
@@ -128,20 +128,19 @@ class SharedDirPinLedger:
                 live[entry.name] = size
         return live
 
-    def _pin(
-        self, keys: Sequence[StoreKey], tenant: str, ttl_s: float, budget: int, estimate: int | None
-    ) -> PinOutcome:
-        tenant_dir = self.pins_dir / tenant_id(tenant)
+    def _pin(self, request: PinRequest) -> PinOutcome:
+        budget, estimate = request.budget_bytes, request.estimate_bytes
+        tenant_dir = self.pins_dir / tenant_id(request.tenant)
         tenant_dir.mkdir(parents=True, exist_ok=True)
         with open(tenant_dir / _LOCK, "a") as lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
             now = time.time()
-            deadline = now + ttl_s
+            deadline = now + request.ttl_s
             live = self._usage(tenant_dir, now)
             used = sum(live.values())
             added = pinned = missing = 0
             sizes: dict[str, int] = {}
-            for key in dict.fromkeys(keys):
+            for key in dict.fromkeys(request.keys):
                 name = marker_name(key)
                 try:
                     size = files.chunk_path(self.root, key).stat().st_size
@@ -182,17 +181,9 @@ class SharedDirPinLedger:
                             released += files.unlink_quiet(Path(entry.path))
         return released
 
-    async def pin_many(
-        self,
-        keys: Sequence[StoreKey],
-        tenant: str,
-        ttl_s: float,
-        budget_bytes: int,
-        *,
-        estimate_bytes: int | None = None,
-    ) -> PinOutcome:
+    async def pin_many(self, request: PinRequest) -> PinOutcome:
         try:
-            return await asyncio.to_thread(self._pin, list(keys), tenant, ttl_s, budget_bytes, estimate_bytes)
+            return await asyncio.to_thread(self._pin, request)
         except OSError as exc:
             raise TierUnavailableError(f"shared directory {self.root}: pin failed: {exc}") from exc
 

@@ -9,11 +9,11 @@ evicts; when only pinned chunks are left, the new chunk is not stored rather tha
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from kvmesh.store.keys import StoreKey
-from kvmesh.store.pins import PinLedger, PinOutcome
+from kvmesh.store.pins import PinLedger, PinOutcome, PinRequest
 
 
 @dataclass(slots=True)
@@ -60,22 +60,15 @@ class MemoryPinLedger:
         del self._pins[key]
         self._used[pin.tenant] -= pin.size
 
-    async def pin_many(
-        self,
-        keys: Sequence[StoreKey],
-        tenant: str,
-        ttl_s: float,
-        budget_bytes: int,
-        *,
-        estimate_bytes: int | None = None,
-    ) -> PinOutcome:
+    async def pin_many(self, request: PinRequest) -> PinOutcome:
         await self.release_expired()
+        tenant, budget_bytes, estimate_bytes = request.tenant, request.budget_bytes, request.estimate_bytes
         now = self._clock()
-        deadline = now + ttl_s
+        deadline = now + request.ttl_s
         used = self._used.get(tenant, 0)
         added = pinned = missing = 0
         held: list[tuple[StoreKey, int]] = []
-        for key in dict.fromkeys(keys):
+        for key in dict.fromkeys(request.keys):
             size = self._size_of(key)
             if size is None:
                 missing += 1

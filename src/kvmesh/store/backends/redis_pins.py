@@ -28,14 +28,12 @@ pins on a Redis Cluster (the ledger call touches keys of many slots).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from redis.exceptions import RedisError
 
 from kvmesh.errors import TierUnavailableError
-from kvmesh.store.keys import StoreKey
-from kvmesh.store.pins import PinLedger, PinOutcome, tenant_id
+from kvmesh.store.pins import PinLedger, PinOutcome, PinRequest, tenant_id
 
 RELEASE_INTERVAL_S = 1.0
 """Least time between two releases run by one writer."""
@@ -162,16 +160,9 @@ class RedisPinLedger:
             self._policy_checked = now
         return self._policy
 
-    async def pin_many(
-        self,
-        keys: Sequence[StoreKey],
-        tenant: str,
-        ttl_s: float,
-        budget_bytes: int,
-        *,
-        estimate_bytes: int | None = None,
-    ) -> PinOutcome:
-        expires_at = time.time() + ttl_s
+    async def pin_many(self, request: PinRequest) -> PinOutcome:
+        budget_bytes, estimate_bytes = request.budget_bytes, request.estimate_bytes
+        expires_at = time.time() + request.ttl_s
         reason = ""
         if self._cluster:
             reason = f"store tier 'redis' cannot pin on a Redis Cluster ({self._url}): use a single server"
@@ -184,13 +175,13 @@ class RedisPinLedger:
                 )
         if reason:
             return PinOutcome("redis", False, 0, 0, 0, 0, budget_bytes, 0.0, reason)
-        names = list(dict.fromkeys(self._key_name(k) for k in keys))
+        names = list(dict.fromkeys(self._key_name(k) for k in request.keys))
         now_ms = int(time.time() * 1000)
         accepted, pinned, missing, used, added = await self._call(
             names,
             [
                 "check" if estimate_bytes is not None else "pin",
-                tenant_id(tenant),
+                tenant_id(request.tenant),
                 now_ms,
                 int(expires_at * 1000),
                 budget_bytes,
