@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
 from kvmesh.errors import ConfigError
+from kvmesh.workload.block_replay import block_source, with_token_ids
 from kvmesh.workload.spec import Arrival, RequestSpec
 from kvmesh.workload.synthetic import DEFAULT_TOKEN_LOW, DEFAULT_VOCAB_SIZE
 from kvmesh.workload.trace_blocks import DEFAULT_CAPACITY_BLOCKS, BlockTokens, PromptBlocks
@@ -263,19 +264,10 @@ class AgenticWorkload:
         return 5.0 if self.session_interval_s is None else self.session_interval_s
 
     def requests(self) -> Iterator[RequestSpec]:
-        for spec in self.block_requests():
-            assert spec.prompt_blocks is not None, "block_requests carries every prompt as blocks"
-            spec.prompt_token_ids = spec.prompt_blocks.token_ids()
-            yield spec
+        return with_token_ids(self.block_requests())
 
     def block_requests(self) -> Iterator[RequestSpec]:
-        source = BlockTokens(
-            self.block_tokens,
-            seed=self.seed,
-            vocab_size=self.vocab_size,
-            token_low=self.token_low,
-            capacity_blocks=self.cached_blocks,
-        )
+        source = block_source(self)
         kinds_rng = random.Random(f"{self.seed}:agent-kinds")
         systems = [
             tuple(
