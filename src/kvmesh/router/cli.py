@@ -224,6 +224,9 @@ def _serve(args: argparse.Namespace, *, reuse_port: bool, banner: str | None) ->
         return 2
     if banner is not None:
         print(f"kvmesh router on http://{config.host}:{config.port} → {banner}", file=sys.stderr)
+    from kvmesh.router.gc_tuning import tune_for_serving
+
+    tune_for_serving()
     web.run_app(
         app,
         host=config.host,
