@@ -49,6 +49,7 @@ from kvmesh.router.cache_report import CacheReasonCollector, CacheReporter
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.discovery import DnsDiscovery
 from kvmesh.router.endpoints import PROBE_CONNECTIONS_PER_ENDPOINT, Endpoint, EndpointConfig, EndpointPool
+from kvmesh.router.first_miss import tokenize_until_miss, whole_prompt_needed
 from kvmesh.router.flow_control import TicketState
 from kvmesh.router.flow_gate import QUEUE_WAIT_HEADER, FlowGate, parse_flow_headers, wait_ms
 from kvmesh.router.index import BlockIndex, InMemoryIndex, InstrumentedIndex
@@ -411,7 +412,13 @@ class Gateway:
             return error_response(413, f"request body larger than {self.config.max_body_bytes} bytes")
         try:
             parsed = await self.parser.parse(
-                raw, request.headers, chat=chat, model=self.model, revision=self.revision, api=api
+                raw,
+                request.headers,
+                chat=chat,
+                model=self.model,
+                revision=self.revision,
+                api=api,
+                until_first_miss=not whole_prompt_needed(self.scheduler),
             )
         except RequestError as exc:
             self.metrics.errors.labels("bad_request").inc()
@@ -427,7 +434,11 @@ class Gateway:
             routing.namespace = replace(routing.namespace, lora=adapter)
         if parsed.pin_ttl_s is not None:
             request[_PIN_KEY] = (routing, parsed.pin_ttl_s)
-        if self.index_is_remote:
+        if parsed.long_prompt is not None:
+            routing.prefix = await tokenize_until_miss(
+                parsed.long_prompt, routing, self.scheduler, off_loop=self.index_is_remote
+            )
+        elif self.index_is_remote:
             routing.prefix = await self._match_off_loop(routing)
         pool, proxy, prefill_leg = self.pool, self.proxy, self.prefill_leg
         assert pool is not None and proxy is not None and prefill_leg is not None, (

@@ -33,7 +33,9 @@ from typing import Any
 _MAX_PER_KEY = 4
 
 
-def _valid_cut(text: str, cut: int) -> bool:
+def valid_cut(text: str, cut: int) -> bool:
+    """Whether ids of ``text[:cut]`` followed by those of ``text[cut:]`` are the ids of ``text``
+    (on a tokenizer :meth:`PrefixReuse.supports`): a plain space after a printable ASCII character."""
     return 0 < cut < len(text) and text[cut] == " " and "!" <= text[cut - 1] <= "~"
 
 
@@ -47,6 +49,19 @@ def _common_length(a: str, b: str) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def _longest_of(prefixes: list[tuple[str, list[int]]], text: str) -> tuple[str, list[int]] | None:
+    best: tuple[str, list[int]] | None = None
+    for prefix, ids in prefixes:
+        if (
+            len(prefix) < len(text)
+            and text[len(prefix)] == " "  # the cut must be valid in this prompt too
+            and text.startswith(prefix)
+            and (best is None or len(prefix) > len(best[0]))
+        ):
+            best = (prefix, ids)
+    return best
 
 
 class PrefixReuse:
@@ -115,21 +130,51 @@ class PrefixReuse:
                 prefixes, recent = group[0][:], group[1][:]
             else:
                 prefixes, recent = [], []
-        best: tuple[str, list[int]] | None = None
-        for prefix, ids in prefixes:
-            if (
-                len(prefix) < len(text)
-                and text[len(prefix)] == " "  # the cut must be valid in this prompt too
-                and text.startswith(prefix)
-                and (best is None or len(prefix) > len(best[0]))
-            ):
-                best = (prefix, ids)
+        best = _longest_of(prefixes, text)
         if best is not None:
             self.num_reused += 1
             return best[1] + self._full(text[len(best[0]) :], False)
         ids = self._full(text, add_special_tokens)
         self._maybe_learn(key, text, ids, recent)
         return ids
+
+    def longest_known(self, text: str, add_special_tokens: bool) -> tuple[int, list[int]] | None:
+        """The longest learnt prefix of ``text`` that ends at a valid cut in it.
+
+        Returns:
+            Its length in characters and its ids, or ``None``.
+        """
+        key = (add_special_tokens, text[: self.key_chars])
+        with self._lock:
+            group = self._groups.get(key)
+            if group is None:
+                return None
+            self._groups.move_to_end(key)
+            prefixes = group[0][:]
+        best = _longest_of(prefixes, text)
+        if best is None:
+            return None
+        self.num_reused += 1
+        return len(best[0]), best[1]
+
+    def remember(self, prefix: str, ids: list[int], add_special_tokens: bool) -> None:
+        """Keep ``prefix`` with its ids, composed from pieces cut at valid boundaries (the ids
+        of a full encode, by the argument above), so later prompts that start with it skip it.
+        Prefixes shorter than ``min_chars`` are not kept."""
+        if len(prefix) < max(self.min_chars, self.key_chars):
+            return
+        key = (add_special_tokens, prefix[: self.key_chars])
+        with self._lock:
+            group = self._groups.get(key)
+            if group is None:
+                group = self._groups[key] = ([], [])
+                while len(self._groups) > self.max_keys:
+                    self._groups.popitem(last=False)
+            prefixes = group[0]
+            if all(p != prefix for p, _ in prefixes):
+                prefixes.append((prefix, ids))
+                del prefixes[:-_MAX_PER_KEY]
+                self.num_learnt += 1
 
     def _full(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
@@ -138,7 +183,7 @@ class PrefixReuse:
         learnt: tuple[str, list[int]] | None = None
         for other in recent:
             cut = _common_length(text, other)
-            while cut >= self.min_chars and not _valid_cut(text, cut):
+            while cut >= self.min_chars and not valid_cut(text, cut):
                 cut = text.rfind(" ", 0, cut)
             if cut < self.min_chars:
                 continue

@@ -26,6 +26,7 @@ from kvmesh.core.hashing import Namespace, as_token_array
 from kvmesh.core.pins import check_pin_ttl, requested_pin_ttl, with_pin_ttl
 from kvmesh.core.tenancy import CACHE_SALT_FIELD, SESSION_HEADER, resolve_tenant
 from kvmesh.errors import RequestError
+from kvmesh.router.first_miss import DEFAULT_MIN_CHARS, LongPrompt, long_prompt
 from kvmesh.router.tokenize import PromptTokenizer
 from kvmesh.router.types import RoutingRequest
 
@@ -47,6 +48,8 @@ class ParsedRequest:
         routing: what the scheduler sees; its ``tokens`` are the u32 prompt ids.
         pin_ttl_s: the pin the request asks for, in seconds (``None``: none); the forwarded body
             carries it as ``kvmesh.cache_ttl_s`` and ``kv_transfer_params.kvmesh_cache_ttl_s``.
+        long_prompt: a long prompt left untokenized (``routing.tokens`` empty), for
+            :func:`kvmesh.router.first_miss.tokenize_until_miss` once the namespace is final.
     """
 
     body: dict[str, Any]
@@ -54,6 +57,7 @@ class ParsedRequest:
     tenant: str
     routing: RoutingRequest
     pin_ttl_s: float | None = None
+    long_prompt: LongPrompt | None = None
 
 
 class RequestParser:
@@ -63,6 +67,8 @@ class RequestParser:
         tokenizer: text and chat tokenizer (``None``: text prompts are routed by load only).
         tokenize_thread_min_chars: text at least this long is tokenized on a worker thread.
         max_pin_ttl_s: the longest pin a request may ask for.
+        first_miss_min_chars: text at least this long may be left to
+            :func:`~kvmesh.router.first_miss.tokenize_until_miss` (``parse(until_first_miss=True)``).
     """
 
     def __init__(
@@ -71,9 +77,11 @@ class RequestParser:
         *,
         tokenize_thread_min_chars: int,
         max_pin_ttl_s: float = DEFAULT_MAX_PIN_TTL_S,
+        first_miss_min_chars: int = DEFAULT_MIN_CHARS,
     ) -> None:
         self.tokenizer = tokenizer
         self.tokenize_thread_min_chars = tokenize_thread_min_chars
+        self.first_miss_min_chars = first_miss_min_chars
         self.max_pin_ttl_s = max_pin_ttl_s
         self._ids = itertools.count()
 
@@ -86,6 +94,7 @@ class RequestParser:
         model: str | None,
         revision: str | None,
         api: PromptApi | None = None,
+        until_first_miss: bool = False,
     ) -> ParsedRequest:
         """Turn one request into a :class:`ParsedRequest`.
 
@@ -97,6 +106,8 @@ class RequestParser:
                 with the chat template, tools included, as the engine renders it); overrides ``chat``.
             model: the namespace model (``None``: the body's ``model``).
             revision: the namespace model revision.
+            until_first_miss: leave a long text prompt untokenized in ``long_prompt`` (not when the
+                request asks for a pin: pinning needs every block's key).
 
         Raises:
             RequestError: the body or the tenant is invalid.
@@ -108,7 +119,19 @@ class RequestParser:
         pin_ttl_s = requested_pin_ttl(headers, body)
         if pin_ttl_s is not None:
             check_pin_ttl(pin_ttl_s, self.max_pin_ttl_s)
-        if isinstance(pending, np.ndarray):
+        long = None
+        if (
+            until_first_miss
+            and pin_ttl_s is None
+            and not isinstance(pending, np.ndarray)
+            and _is_long(body, self.first_miss_min_chars)
+        ):
+            long = await asyncio.to_thread(
+                long_prompt, self.tokenizer, api, body, min_chars=self.first_miss_min_chars
+            )
+        if long is not None:
+            tokens = _NO_TOKENS
+        elif isinstance(pending, np.ndarray):
             tokens = pending
         elif _is_long(body, self.tokenize_thread_min_chars):
             # The tokenizer releases the GIL: text prompts use another core meanwhile.
@@ -131,7 +154,7 @@ class RequestParser:
             namespace=Namespace(model or str(body.get("model") or ""), revision or "", "", tenant),
             session_id=headers.get(SESSION_HEADER),
         )
-        return ParsedRequest(body, raw, tenant, routing, pin_ttl_s)
+        return ParsedRequest(body, raw, tenant, routing, pin_ttl_s, long)
 
     def _validate(self, raw: bytes, api: PromptApi) -> tuple[dict[str, Any], _Tokens]:
         """Validate a body; returns it with its token ids, or a call that tokenizes its text."""

@@ -165,7 +165,13 @@ class Scheduler:
             hasher = self._hashers[namespace] = BlockHasher(namespace, self.block_size, self.hash_algo)
         return hasher
 
-    def match(self, request: RoutingRequest, block_keys: Sequence[BlockKey] | None = None) -> PrefixMatch:
+    def match(
+        self,
+        request: RoutingRequest,
+        block_keys: Sequence[BlockKey] | None = None,
+        *,
+        aligned: bool = True,
+    ) -> PrefixMatch:
         """Match ``request``'s prefix against the index (empty without an index).
 
         Every index match goes through here: :meth:`pick` calls it when ``request.prefix`` is
@@ -177,6 +183,7 @@ class Scheduler:
             request: the request.
             block_keys: the prompt's block keys in ``request.namespace``, where the caller holds
                 them already (``None``: hashed here from ``request.tokens``).
+            aligned: apply :attr:`align_match` (``False``: the index's own block runs).
 
         Raises:
             TierUnavailableError: a remote index cannot be reached.
@@ -186,10 +193,13 @@ class Scheduler:
                 self.hasher(request.namespace).num_full_blocks(request.num_tokens), self.block_size
             )
         if block_keys is None:
-            match = match_prefix(self.index, self.hasher(request.namespace), request.tokens, self.memo)
+            hasher = self.hasher(request.namespace)
+            match = match_prefix(self.index, hasher, request.tokens, self.memo)
+            if request.num_prompt_tokens is not None:  # only the prompt's leading ids are known
+                match.num_blocks = hasher.num_full_blocks(request.num_tokens)
         else:
             match = match_prefix_keys(self.index, block_keys, len(block_keys), self.block_size)
-        return match if self.align_match is None else self.align_match(match)
+        return match if self.align_match is None or not aligned else self.align_match(match)
 
     def rank(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[PodId] | None:
         """The default profile's ranking of the healthy ``endpoints``, best first.

@@ -80,10 +80,10 @@ class CachedTokenizer:
         self.inner = tokenizer
         self._fast = tokenizer if isinstance(tokenizer, FastPromptTokenizer) else None
         self._backend = None if self._fast is None else self._fast.fast_backend
+        self.composes = self._backend is not None and PrefixReuse.supports(self._backend)
+        """Whether ids of text cut at a valid boundary compose (:mod:`kvmesh.router.prefix_tokens`)."""
         self.prefixes: PrefixReuse | None = (
-            PrefixReuse(self._backend)
-            if prefix_reuse and self._backend is not None and PrefixReuse.supports(self._backend)
-            else None
+            PrefixReuse(self._backend) if prefix_reuse and self.composes else None
         )
         self._cache: OrderedDict[tuple[int, str | bytes], list[int]] = OrderedDict()
         self._lock = threading.Lock()
@@ -131,6 +131,20 @@ class CachedTokenizer:
                 )
             self._store(key, size, ids)
         return ids
+
+    def encode_piece(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Ids of one piece of a longer text (no cache, no prefix reuse), where :attr:`composes`."""
+        assert self._backend is not None, "encode_piece needs a fast backend (check composes first)"
+        return list(self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    def render_chat(self, messages: Any, *, tools: Any = None) -> str | None:
+        """The chat template's text for ``messages`` with a generation prompt, as
+        :meth:`apply_chat_template` tokenizes it; ``None`` without a fast tokenizer."""
+        if self._fast is None:
+            return None
+        return self._fast.render_chat(
+            messages, add_generation_prompt=True, **({"tools": tools} if tools else {})
+        )
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if self._backend is None:

@@ -43,6 +43,7 @@ class EndpointState:
             when it is not learned, when scorers use their configured value.
         kv_bytes_per_token: KV bytes per token the engine reports (``/kvmesh/info``); 0 unknown,
             when scorers use their configured value.
+        kv_capacity_tokens: device KV tokens the engine holds (``/kvmesh/info``); 0 unknown.
         lora: the endpoint's LoRA adapters (``vllm:lora_requests_info``, ``/v1/models``); ``None``
             when it reports none.
     """
@@ -58,6 +59,7 @@ class EndpointState:
     seconds_per_prefill_token: float = 0.0
     attention_context_tokens: float = 0.0
     kv_bytes_per_token: int = 0
+    kv_capacity_tokens: int = 0
     lora: LoraState | None = None
 
 
@@ -130,6 +132,9 @@ class RoutingRequest:
             adapter the request names (empty for the base model).
         session_id: ``x-session-id`` header, for session affinity.
         prefix: per-pod cached prefix; filled by the scheduler from its index when ``None``.
+        num_prompt_tokens: the whole prompt's estimated length where ``tokens`` holds only its
+            leading ids (a long prompt tokenized up to its first block no cache holds,
+            :mod:`kvmesh.router.first_miss`); ``None``: ``tokens`` is the whole prompt.
     """
 
     request_id: str
@@ -137,11 +142,12 @@ class RoutingRequest:
     namespace: Namespace
     session_id: str | None = None
     prefix: PrefixMatch | None = None
+    num_prompt_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:
-        """Prompt length in tokens."""
-        return len(self.tokens)
+        """Prompt length in tokens (estimated where only the leading ids are known)."""
+        return len(self.tokens) if self.num_prompt_tokens is None else self.num_prompt_tokens
 
 
 @dataclass(slots=True)
