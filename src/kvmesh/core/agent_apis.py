@@ -147,26 +147,50 @@ def _responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _responses_text(content: Any, where: str) -> str:
+    return _joined_text(
+        content,
+        where,
+        "input",
+        types=("input_text", "output_text", "text"),
+        items="parts",
+        item_shape="{'type': 'input_text' or 'output_text', 'text': ...}",
+    )
+
+
+def _joined_text(
+    content: Any, where: str, param: str, *, types: tuple[str, ...], items: str, item_shape: str
+) -> str:
+    """``content`` as a string, or the text of its list of typed text ``items``, joined."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise RequestError(f"{where} must be a string or a list of text parts", param="input")
+        raise RequestError(f"{where} must be a string or a list of text {items}", param=param)
     texts = []
     for part in content:
         if (
             not isinstance(part, dict)
-            or part.get("type") not in ("input_text", "output_text", "text")
+            or part.get("type") not in types
             or not isinstance(part.get("text"), str)
         ):
-            raise RequestError(
-                f"{where} parts must be {{'type': 'input_text' or 'output_text', 'text': ...}}",
-                param="input",
-            )
+            raise RequestError(f"{where} {items} must be {item_shape}", param=param)
         texts.append(part["text"])
     return "".join(texts)
 
 
 def _responses_tools(tools: Any) -> list[dict[str, Any]]:
+    return _function_tools(
+        tools,
+        tool_type="function",
+        schema_field="parameters",
+        shape="a function tool with a string 'name' (built-in tools are not served)",
+    )
+
+
+def _function_tools(
+    tools: Any, *, tool_type: str | None, schema_field: str, shape: str
+) -> list[dict[str, Any]]:
+    """The Chat Completions ``tools`` for an agent API's ``tools``: each a ``shape`` object whose
+    ``type`` (when ``tool_type`` is set) is ``tool_type`` and whose JSON schema is ``schema_field``."""
     if tools is None:
         return []
     if not isinstance(tools, list):
@@ -175,18 +199,15 @@ def _responses_tools(tools: Any) -> list[dict[str, Any]]:
     for i, tool in enumerate(tools):
         if (
             not isinstance(tool, dict)
-            or tool.get("type") != "function"
+            or (tool_type is not None and tool.get("type") != tool_type)
             or not isinstance(tool.get("name"), str)
         ):
-            raise RequestError(
-                f"tools[{i}] must be a function tool with a string 'name' (built-in tools are not served)",
-                param="tools",
-            )
+            raise RequestError(f"tools[{i}] must be {shape}", param="tools")
         function: dict[str, Any] = {"name": tool["name"]}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
-        if isinstance(tool.get("parameters"), dict):
-            function["parameters"] = tool["parameters"]
+        if isinstance(tool.get(schema_field), dict):
+            function["parameters"] = tool[schema_field]
         out.append({"type": "function", "function": function})
     return out
 
@@ -261,35 +282,12 @@ def _anthropic_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _anthropic_text(content: Any, where: str, param: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestError(f"{where} must be a string or a list of text blocks", param=param)
-    texts = []
-    for block in content:
-        if (
-            not isinstance(block, dict)
-            or block.get("type") != "text"
-            or not isinstance(block.get("text"), str)
-        ):
-            raise RequestError(f"{where} blocks must be {{'type': 'text', 'text': ...}}", param=param)
-        texts.append(block["text"])
-    return "".join(texts)
+    return _joined_text(
+        content, where, param, types=("text",), items="blocks", item_shape="{'type': 'text', 'text': ...}"
+    )
 
 
 def _anthropic_tools(tools: Any) -> list[dict[str, Any]]:
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise RequestError("'tools' must be a list", param="tools")
-    out = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
-            raise RequestError(f"tools[{i}] must be an object with a string 'name'", param="tools")
-        function: dict[str, Any] = {"name": tool["name"]}
-        if isinstance(tool.get("description"), str):
-            function["description"] = tool["description"]
-        if isinstance(tool.get("input_schema"), dict):
-            function["parameters"] = tool["input_schema"]
-        out.append({"type": "function", "function": function})
-    return out
+    return _function_tools(
+        tools, tool_type=None, schema_field="input_schema", shape="an object with a string 'name'"
+    )
