@@ -6,6 +6,7 @@ by its own queue worker). Valkey servers appear as tier ``redis``: same protocol
 
 from __future__ import annotations
 
+from kvmesh.store.backends.base import Backend
 from kvmesh.store.backends.disk import DiskBackend
 from kvmesh.store.backends.fs import SharedDirBackend
 from kvmesh.store.backends.memory import MemoryBackend
@@ -28,9 +29,20 @@ def _breaker(config: StoreConfig) -> CircuitBreaker:
     )
 
 
+def _queued_tier(name: str, backend: Backend, timeout_s: float, config: StoreConfig) -> Tier:
+    """A tier written by its own queue worker, each call bounded by ``timeout_s``."""
+    return Tier(
+        name,
+        backend,
+        timeout_s=timeout_s,
+        breaker=_breaker(config),
+        queued=True,
+        max_queue_bytes=int(config.write_queue_mb * (1 << 20)),
+    )
+
+
 def build_tiers(config: StoreConfig) -> list[Tier]:
     """The tiers ``config`` asks for, fastest first (may be empty)."""
-    queue_bytes = int(config.write_queue_mb * (1 << 20))
     tiers: list[Tier] = []
     if config.local_cpu:
         tiers.append(
@@ -38,19 +50,10 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
         )
     disk_path = config.local_disk_path()
     if disk_path is not None:
-        backend = DiskBackend(
+        disk = DiskBackend(
             disk_path, int(config.max_local_disk_size * GB), fsync=config.disk_fsync, mapped=config.mmap_reads
         )
-        tiers.append(
-            Tier(
-                "disk",
-                backend,
-                timeout_s=config.disk_timeout_s,
-                breaker=_breaker(config),
-                queued=True,
-                max_queue_bytes=queue_bytes,
-            )
-        )
+        tiers.append(_queued_tier("disk", disk, config.disk_timeout_s, config))
     if config.remote_url:
         redis = RedisBackend(
             config.remote_url,
@@ -59,33 +62,16 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
             socket_timeout_s=max(config.remote_timeout_s * 2, 1.0),
             max_connections=config.redis_max_connections,
         )
-        tiers.append(
-            Tier(
-                "redis",
-                redis,
-                timeout_s=config.remote_timeout_s,
-                breaker=_breaker(config),
-                queued=True,
-                max_queue_bytes=queue_bytes,
-            )
-        )
+        tiers.append(_queued_tier("redis", redis, config.remote_timeout_s, config))
     shared = config.shared_dir_path()
     if shared is not None:
-        tiers.append(
-            Tier(
-                "fs",
-                SharedDirBackend(
-                    shared,
-                    fsync=config.disk_fsync,
-                    mapped=config.mmap_reads,
-                    max_bytes=int(config.max_shared_dir_size * GB),
-                ),
-                timeout_s=config.remote_timeout_s,
-                breaker=_breaker(config),
-                queued=True,
-                max_queue_bytes=queue_bytes,
-            )
+        fs = SharedDirBackend(
+            shared,
+            fsync=config.disk_fsync,
+            mapped=config.mmap_reads,
+            max_bytes=int(config.max_shared_dir_size * GB),
         )
+        tiers.append(_queued_tier("fs", fs, config.remote_timeout_s, config))
     return tiers
 
 
