@@ -65,6 +65,19 @@ class TierSnapshot:
     num_bytes: int
 
 
+def _per_tier(
+    family: type[CounterMetricFamily | GaugeMetricFamily],
+    readings: list[tuple[str, str, Callable[[TierSnapshot], int]]],
+    snaps: list[TierSnapshot],
+) -> Iterator[Metric]:
+    """One family per ``(name, doc, read)`` reading, with one sample per tier."""
+    for name, doc, read in readings:
+        fam = family(name, doc, labels=["tier"])
+        for s in snaps:
+            fam.add_metric([s.name], read(s))
+        yield fam
+
+
 class _StoreCollector(Collector):
     def __init__(self, source: Callable[[], list[TierSnapshot]], lookups: Callable[[], tuple[int, int]]):
         self._source = source
@@ -92,11 +105,7 @@ class _StoreCollector(Collector):
             ("kvmesh_store_promotions", "Chunks promoted into the tier", lambda s: s.counters.promotions),
             ("kvmesh_store_evictions", "Chunks evicted by the byte budget", lambda s: s.num_evictions),
         ]
-        for name, doc, get in families:
-            fam = CounterMetricFamily(name, doc, labels=["tier"])
-            for s in snaps:
-                fam.add_metric([s.name], get(s))
-            yield fam
+        yield from _per_tier(CounterMetricFamily, families, snaps)
         nbytes = CounterMetricFamily(
             "kvmesh_store_bytes", "Encoded bytes moved", labels=["tier", "direction"]
         )
@@ -120,11 +129,7 @@ class _StoreCollector(Collector):
             ),
             ("kvmesh_store_tier_bytes", "Bytes held by the tier (-1 unknown)", lambda s: s.num_bytes),
         ]
-        for name, doc, get in gauges:
-            gfam = GaugeMetricFamily(name, doc, labels=["tier"])
-            for s in snaps:
-                gfam.add_metric([s.name], get(s))
-            yield gfam
+        yield from _per_tier(GaugeMetricFamily, gauges, snaps)
         queried, hit = self._lookups()
         lookups = CounterMetricFamily(
             "kvmesh_store_lookup_chunks", "Chunks asked and found by lookups", labels=["result"]
