@@ -14,9 +14,10 @@ enters the index only once its file is in place, so readers never see a half-wri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -168,14 +169,21 @@ class DiskBackend:
         self._report_dropped(vanished)
         return out
 
-    async def put_many(self, items: Sequence[tuple[StoreKey, ChunkData]]) -> int:
+    @contextlib.asynccontextmanager
+    async def _mutating(self) -> AsyncIterator[None]:
+        """Held while a write or delete changes the index; the generation moves on both sides so a
+        read that overlapped it does not take a file it changed for one removed behind our back."""
         await self._ensure_loaded()
         async with self._mutation:
             self._generation += 1
             try:
-                return await self._put_locked(items)
+                yield
             finally:
                 self._generation += 1
+
+    async def put_many(self, items: Sequence[tuple[StoreKey, ChunkData]]) -> int:
+        async with self._mutating():
+            return await self._put_locked(items)
 
     async def _put_locked(self, items: Sequence[tuple[StoreKey, ChunkData]]) -> int:
         log = None if self.on_change is None else ChangeLog()
@@ -228,13 +236,8 @@ class DiskBackend:
                 continue
 
     async def delete_many(self, keys: Sequence[StoreKey]) -> int:
-        await self._ensure_loaded()
-        async with self._mutation:
-            self._generation += 1
-            try:
-                return await self._delete_locked(keys)
-            finally:
-                self._generation += 1
+        async with self._mutating():
+            return await self._delete_locked(keys)
 
     async def _delete_locked(self, keys: Sequence[StoreKey]) -> int:
         present = []
