@@ -121,27 +121,17 @@ class EngineMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.model_name = model_name
         self.registry.register(_CoreCollector(core, model_name))
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            ["model_name"],
-            buckets=_TTFT_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self.e2e = Histogram(
+        self.ttft = self._latency(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", _TTFT_BUCKETS
+        )
+        self.e2e = self._latency(
             "vllm:e2e_request_latency_seconds",
             "Histogram of end to end request latency in seconds.",
-            ["model_name"],
-            buckets=_E2E_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self.itl = Histogram(
-            "vllm:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
-            ["model_name"],
-            buckets=_ITL_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
+            _E2E_BUCKETS,
+        )
+        self.itl = self._latency(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _ITL_BUCKETS
+        )
         self._success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -153,6 +143,12 @@ class EngineMetrics:
             "HTTP requests by route and status.",
             ["route", "status"],
             registry=self.registry,
+        )
+
+    def _latency(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+        """A seconds histogram of this engine's model, as vLLM names and labels it."""
+        return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(
+            self.model_name
         )
 
     def observe_request(
