@@ -385,14 +385,8 @@ class StepScheduler(Generic[R]):
 
     def finish(self, req: R) -> None:
         """End ``req`` before its length (a stop token, the model's length); no-op if not running."""
-        if req.alloc is None:
-            return
-        if req.decoding:
-            self._stop_decoding(req)
-        else:
-            self.prefilling.remove(req)
-        self._release(req, Release.FINISHED)
-        self._sync_reservation()
+        if req.alloc is not None:
+            self._end_running(req, Release.FINISHED)
 
     def abort(self, req: R) -> bool:
         """Drop ``req`` wherever it is; ``False`` if the scheduler does not hold it."""
@@ -401,13 +395,17 @@ class StepScheduler(Generic[R]):
                 self.waiting.remove(req)
                 return True
             return False
+        self._end_running(req, Release.ABORTED)
+        return True
+
+    def _end_running(self, req: R, how: Release) -> None:
+        """Take a running ``req`` out of its phase and give its blocks back."""
         if req.decoding:
             self._stop_decoding(req)
         else:
             self.prefilling.remove(req)
-        self._release(req, Release.ABORTED)
+        self._release(req, how)
         self._sync_reservation()
-        return True
 
     def _stop_decoding(self, req: R) -> None:
         req.generated = self.steps - req.base
