@@ -209,3 +209,49 @@ def test_history_scorers_need_the_whole_prompt():
     assert not whole_prompt_needed(scheduler(None))
     approximate = Scheduler.from_config(load_scheduler_config("approximate"))
     assert whole_prompt_needed(approximate)
+
+
+async def test_gateway_routes_a_long_text_prompt_to_the_holder_of_its_start(engines, tokenizer):
+    from aiohttp.test_utils import TestClient, TestServer
+    from router_fakes import MODEL
+
+    from kvmesh.router.config import router_config_from_dict
+    from kvmesh.router.endpoints import normalize_url
+    from kvmesh.router.gateway import ENDPOINT_HEADER, Gateway
+
+    es = await engines(3)
+    config = router_config_from_dict(
+        {"endpoints": [{"url": e.url} for e in es], "policy": "precise", "seed": 1}
+    )
+    gw = Gateway(config, tokenizer=tokenizer)
+    client = TestClient(TestServer(gw.app))
+    await client.start_server()
+    try:
+        for _ in range(500):
+            if (
+                gw.model is not None
+                and gw.pool is not None
+                and all(e.state.healthy for e in gw.pool.endpoints)
+            ):
+                break
+            await asyncio.sleep(0.01)
+        system = long_document(30_000, 11)
+        text = system + " Question: " + long_document(20_000, 12)
+        full = tokenizer.encode_piece(text, True)
+        hasher = gw.scheduler.hasher(Namespace(gw.model or MODEL, gw.revision or ""))
+        keys = hasher.hash_blocks(as_token_array(full))
+        holder = PodId(normalize_url(es[2].url))
+        gw.index.add(
+            keys[: len(tokenizer.encode_piece(system, True)) // 16 - 2], holder, medium_set(Medium.GPU)
+        )
+        assert tokenizer.prefixes is not None
+        learnt = tokenizer.prefixes.num_learnt
+        resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 2})
+        assert resp.status == 200, await resp.text()
+        assert resp.headers[ENDPOINT_HEADER] == holder
+        assert tokenizer.prefixes.num_learnt == learnt + 1  # tokenized until the first miss, held part kept
+        metrics = await (await client.get("/metrics")).text()
+        line = next(x for x in metrics.splitlines() if x.startswith("kvmesh_router_prompt_tokens_total"))
+        assert abs(float(line.split()[-1]) - len(full)) < 0.03 * len(full)  # the estimate, close
+    finally:
+        await client.close()

@@ -467,7 +467,12 @@ class Gateway:
             try:
                 if ticket.state is TicketState.DISPATCHED:
                     # the index moved on while the request waited: match it again
-                    routing.prefix = await self._match_off_loop(routing) if self.index_is_remote else None
+                    if parsed.long_prompt is not None:  # its first miss may have moved too
+                        routing.prefix = await tokenize_until_miss(
+                            parsed.long_prompt, routing, self.scheduler, off_loop=self.index_is_remote
+                        )
+                    else:
+                        routing.prefix = await self._match_off_loop(routing) if self.index_is_remote else None
                 decision = self._pick(routing, gate.endpoints_for(ticket, pool.states()))
             finally:
                 gate.release(ticket)
