@@ -4,6 +4,7 @@ those of a full encode on the real SmolLM2 tokenizer."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ from kvmesh.core.agent_apis import PromptApi
 from kvmesh.core.hashing import HashAlgo, Namespace, as_token_array
 from kvmesh.core.pins import PIN_TTL_HEADER
 from kvmesh.core.tokens import Tokenizer
-from kvmesh.core.types import Medium, PodId
+from kvmesh.core.types import BlockKey, Medium, PodId
+from kvmesh.errors import TierUnavailableError
 from kvmesh.router.first_miss import (
     LongPrompt,
     long_prompt,
@@ -22,7 +24,7 @@ from kvmesh.router.first_miss import (
     tokenize_until_miss,
     whole_prompt_needed,
 )
-from kvmesh.router.index import SHARED_TIER_HOLDER, InMemoryIndex, medium_set
+from kvmesh.router.index import SHARED_TIER_HOLDER, Holders, InMemoryIndex, medium_set
 from kvmesh.router.request_parser import RequestParser
 from kvmesh.router.scheduler import Scheduler, load_scheduler_config
 from kvmesh.router.tokenize import CachedTokenizer
@@ -255,3 +257,32 @@ async def test_gateway_routes_a_long_text_prompt_to_the_holder_of_its_start(engi
         assert abs(float(line.split()[-1]) - len(full)) < 0.03 * len(full)  # the estimate, close
     finally:
         await client.close()
+
+
+class _UnreachableIndex(InMemoryIndex):
+    """An index whose lookups fail as a remote index's do when its server is down."""
+
+    def lookup(self, keys: Iterable[BlockKey]) -> list[Holders]:
+        raise TierUnavailableError("index server down")
+
+
+def test_off_loop_matching_and_an_unreachable_index(tokenizer):
+    text = long_document(20_000, 13)
+    full = tokenizer.encode_piece(text, True)
+    sched = scheduler(InMemoryIndex())
+    hold(sched, full, 700, POD_A)
+    routing = RoutingRequest("r", as_token_array([]), NAMESPACE)
+    found = asyncio.run(tokenize_until_miss(LongPrompt(text, True, tokenizer), routing, sched, off_loop=True))
+    assert found.pods[POD_A].num_blocks == 700
+    # a dead index is a miss: routed by load, the prompt's length still estimated
+    routing = RoutingRequest("r", as_token_array([]), NAMESPACE)
+    found = asyncio.run(
+        tokenize_until_miss(
+            LongPrompt(text, True, tokenizer), routing, scheduler(_UnreachableIndex()), off_loop=True
+        )
+    )
+    assert found.pods == {} and found.shared is None
+    assert routing.num_prompt_tokens is not None and abs(routing.num_prompt_tokens - len(full)) < 0.03 * len(
+        full
+    )
+    assert found.num_blocks == routing.num_prompt_tokens // 16
