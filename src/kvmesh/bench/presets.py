@@ -80,6 +80,25 @@ def llmd_73_workload(
     )
 
 
+def repeated_prompts(
+    name: str, groups: int, per_group: int, cycles: int, lengths: tuple[int, int, int]
+) -> SharedPrefixWorkload:
+    """``groups`` × ``per_group`` prompts with SmolLM2-valid ids, the whole set sent ``cycles`` times:
+    the real-model demos' workload. ``lengths``: system prompt, question and output tokens."""
+    system, question, output = lengths
+    return SharedPrefixWorkload(
+        num_groups=groups,
+        num_prompts_per_group=per_group,
+        system_prompt_len=system,
+        question_len=question,
+        output_len=output,
+        num_requests=cycles * groups * per_group,
+        vocab_size=SMOLLM2_VOCAB,
+        seed=1,
+        name=name,
+    )
+
+
 def llmd_73() -> ScaledRun:
     """llm-d's 73-capacity benchmark, unscaled."""
     w = llmd_73_workload()

@@ -25,7 +25,7 @@ from rich.console import Console
 
 from kvmesh.bench.compare import run_on_fleet
 from kvmesh.bench.metrics import RunResult
-from kvmesh.bench.presets import SMOLLM2_VOCAB
+from kvmesh.bench.presets import repeated_prompts
 from kvmesh.bench.report import describe_ratio
 from kvmesh.bench.runner import RunOptions
 from kvmesh.fleet import Fleet, FleetConfig, SharedTier
@@ -60,17 +60,8 @@ def workload(quick: bool) -> SharedPrefixWorkload:
     sets p90 TTFT (14 requests) is warm-path traffic, not a handful of cold starts (3 questions per
     group with ``quick``)."""
     per_group = 3 if quick else 12
-    return SharedPrefixWorkload(
-        num_groups=NUM_GROUPS,
-        num_prompts_per_group=per_group,
-        system_prompt_len=SYSTEM_PROMPT_LEN,
-        question_len=QUESTION_LEN,
-        output_len=OUTPUT_LEN,
-        num_requests=CYCLES * NUM_GROUPS * per_group,
-        vocab_size=SMOLLM2_VOCAB,
-        seed=1,
-        name="demo-vllm-shared-prefix",
-    )
+    lengths = (SYSTEM_PROMPT_LEN, QUESTION_LEN, OUTPUT_LEN)
+    return repeated_prompts("demo-vllm-shared-prefix", NUM_GROUPS, per_group, CYCLES, lengths)
 
 
 def fleet_configs(num_replicas: int, base_dir: Path) -> list[FleetConfig]:

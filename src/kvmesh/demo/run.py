@@ -28,7 +28,7 @@ from rich.table import Table
 
 from kvmesh.bench.compare import compare_policies, run_on_fleet
 from kvmesh.bench.metrics import RunResult
-from kvmesh.bench.presets import SMOLLM2_VOCAB, llmd_73_scaled
+from kvmesh.bench.presets import llmd_73_scaled, repeated_prompts
 from kvmesh.bench.report import (
     compare_table,
     describe_ratio,
@@ -107,17 +107,8 @@ def real_workload(quick: bool, num_replicas: int) -> SharedPrefixWorkload:
              if all((k * g * q) % num_replicas for k in range(1, cycles))),
             key=lambda gq: (gq[0] * gq[1], gq),
         )  # fmt: skip
-    return SharedPrefixWorkload(
-        num_groups=groups,
-        num_prompts_per_group=per_group,
-        system_prompt_len=REAL_SYSTEM_PROMPT_LEN,
-        question_len=REAL_QUESTION_LEN,
-        output_len=REAL_OUTPUT_LEN,
-        num_requests=cycles * groups * per_group,
-        vocab_size=SMOLLM2_VOCAB,
-        seed=1,
-        name="demo-shared-prefix",
-    )
+    lengths = (REAL_SYSTEM_PROMPT_LEN, REAL_QUESTION_LEN, REAL_OUTPUT_LEN)
+    return repeated_prompts("demo-shared-prefix", groups, per_group, cycles, lengths)
 
 
 def _real_table(runs: dict[str, RunResult], title: str = "real model: SmolLM2-135M replicas on CPU") -> Table:
