@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from store_helpers import make_key, make_value
 
-from kvmesh.store.backends.base import Backend
+from kvmesh.store.backends.base import Backend, BackendStats
 
 
 async def test_empty_batches(backend: Backend) -> None:
@@ -103,3 +103,16 @@ async def test_batch_sizes(backend: Backend, n: int) -> None:
     items = [(make_key(i), make_value(i, 64)) for i in range(n)]
     assert await backend.put_many(items) == n
     assert await backend.get_many([k for k, _ in items]) == [v for _, v in items]
+
+
+def test_backend_stats_document_lists_every_field_then_the_extras() -> None:
+    stats = BackendStats("disk", num_chunks=3, num_bytes=300, capacity_bytes=1000, num_evictions=1)
+    stats.extra["root"] = "/data"
+    assert list(stats.to_dict().items()) == [
+        ("kind", "disk"),
+        ("num_chunks", 3),
+        ("num_bytes", 300),
+        ("capacity_bytes", 1000),
+        ("num_evictions", 1),
+        ("root", "/data"),
+    ]

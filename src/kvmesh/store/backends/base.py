@@ -16,7 +16,7 @@ Contract shared by all backends (checked by ``tests/store/test_store_backends.py
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 from kvmesh.store.keys import StoreKey
@@ -41,14 +41,9 @@ class BackendStats:
     extra: dict[str, float | int | str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "kind": self.kind,
-            "num_chunks": self.num_chunks,
-            "num_bytes": self.num_bytes,
-            "capacity_bytes": self.capacity_bytes,
-            "num_evictions": self.num_evictions,
-            **self.extra,
-        }
+        """Every field by name, with ``extra``'s entries in place of ``extra``."""
+        out: dict[str, object] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        return out | self.extra
 
 
 class Backend(Protocol):
