@@ -52,6 +52,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvmesh.router.histograms import BucketHistogram, HistogramSeries
 from kvmesh.router.ingest import EventApplier, IngestStats
 from kvmesh.router.types import EndpointState
 
@@ -203,15 +204,15 @@ class RouterMetrics:
         self.realized_hit_tokens = Counter(
             "kvmesh_router_realized_hit_tokens", "Prompt tokens the engines reported cached", registry=r
         )
-        self.scorer_seconds = Histogram(
-            "kvmesh_router_scorer_seconds", "Scorer latency", ["scorer"], buckets=_LATENCY_BUCKETS, registry=r
+        # Observed on every request (once per scorer): histograms without prometheus-client's locks.
+        self.scorer_seconds = BucketHistogram(
+            "kvmesh_router_scorer_seconds", "Scorer latency", _LATENCY_BUCKETS, label="scorer"
         )
-        self.schedule_seconds = Histogram(
-            "kvmesh_router_schedule_seconds",
-            "Tokenize, prefix match and pick per request",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.schedule_seconds = BucketHistogram(
+            "kvmesh_router_schedule_seconds", "Tokenize, prefix match and pick per request", _LATENCY_BUCKETS
         )
+        r.register(self.scorer_seconds)
+        r.register(self.schedule_seconds)
         self.event_lag_seconds = Histogram(
             "kvmesh_router_event_lag_seconds",
             "Seconds from an engine publishing a KV event batch to the router applying it",
@@ -234,7 +235,7 @@ class RouterMetrics:
             registry=r,
         )
 
-        self._scorer_children: dict[str, Any] = {}
+        self._scorer_children: dict[str, HistogramSeries] = {}
         self._decision_children: dict[str, Any] = {}
 
     def watch_ingest(self, source: Callable[[], EventApplier | None]) -> None:
