@@ -286,3 +286,18 @@ def test_off_loop_matching_and_an_unreachable_index(tokenizer):
         full
     )
     assert found.num_blocks == routing.num_prompt_tokens // 16
+
+
+def test_known_prefixes_stay_within_their_character_budget(tokenizer):
+    from kvmesh.router.prefix_tokens import PrefixReuse
+
+    reuse = PrefixReuse(tokenizer.inner.fast_backend, key_chars=8, min_chars=16, max_chars=3000)
+    docs = [f"doc{i:03d} " + long_document(150, i) for i in range(10)]  # ~1,000 characters each
+    for doc in docs:
+        reuse.remember(doc, tokenizer.encode_piece(doc, True), True)
+    assert reuse.num_learnt == 10
+    assert reuse.longest_known(docs[0] + " more", True) is None  # the oldest left
+    known = reuse.longest_known(docs[-1] + " more", True)
+    assert known is not None and known == (len(docs[-1]), tokenizer.encode_piece(docs[-1], True))
+    kept = sum(len(p) for prefixes, _ in reuse._groups.values() for p, _ in prefixes)
+    assert kept == reuse._chars <= 3000

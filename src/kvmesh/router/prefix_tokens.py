@@ -20,7 +20,8 @@ kept: the prompt that produced it is tokenized in full and must equal the compos
 
 Prefixes are learnt from pairs of prompts that share their first ``key_chars`` characters: the
 longest common part, cut back to the last valid boundary, becomes a prefix when it is at least
-``min_chars`` long. Memory is bounded by ``max_keys`` groups of a few prefixes each.
+``min_chars`` long. Memory is bounded by ``max_keys`` groups of a few prefixes each, and by
+``max_chars`` characters over all of them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from collections import OrderedDict
 from typing import Any
 
 _MAX_PER_KEY = 4
+
+DEFAULT_MAX_CHARS = 16_000_000
+"""Characters of prefixes and prompts kept (with their ids, some 150 MB at worst)."""
 
 
 def valid_cut(text: str, cut: int) -> bool:
@@ -72,10 +76,18 @@ class PrefixReuse:
         key_chars: prompts are grouped by this many leading characters.
         min_chars: shortest prefix worth keeping.
         max_keys: most groups kept, least recently used leaving first.
+        max_chars: most characters of prefixes and recent prompts kept over all groups (long
+            prompts' prefixes are large), least recently used groups leaving first.
     """
 
     def __init__(
-        self, backend: Any, *, key_chars: int = 64, min_chars: int = 256, max_keys: int = 256
+        self,
+        backend: Any,
+        *,
+        key_chars: int = 64,
+        min_chars: int = 256,
+        max_keys: int = 256,
+        max_chars: int = DEFAULT_MAX_CHARS,
     ) -> None:
         if not 0 < key_chars <= min_chars:
             raise ValueError(f"need 0 < key_chars <= min_chars, got {key_chars}, {min_chars}")
@@ -83,6 +95,8 @@ class PrefixReuse:
         self.key_chars = key_chars
         self.min_chars = min_chars
         self.max_keys = max_keys
+        self.max_chars = max_chars
+        self._chars = 0
         # (special, first key_chars) -> (prefixes: [(text, ids)], recent prompts)
         self._groups: OrderedDict[tuple[bool, str], tuple[list[tuple[str, list[int]]], list[str]]] = (
             OrderedDict()
@@ -165,15 +179,7 @@ class PrefixReuse:
             return
         key = (add_special_tokens, prefix[: self.key_chars])
         with self._lock:
-            group = self._groups.get(key)
-            if group is None:
-                group = self._groups[key] = ([], [])
-                while len(self._groups) > self.max_keys:
-                    self._groups.popitem(last=False)
-            prefixes = group[0]
-            if all(p != prefix for p, _ in prefixes):
-                prefixes.append((prefix, ids))
-                del prefixes[:-_MAX_PER_KEY]
+            if self._add_locked(key, prefix, ids):
                 self.num_learnt += 1
 
     def _full(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -197,16 +203,33 @@ class PrefixReuse:
             self.num_learnt += 1
             break
         with self._lock:
-            group = self._groups.get(key)
-            if group is None:
-                group = self._groups[key] = ([], [])
-                while len(self._groups) > self.max_keys:
-                    self._groups.popitem(last=False)
-            prefixes, recent_list = group
             if learnt is not None:
-                if all(p != learnt[0] for p, _ in prefixes):
-                    prefixes.append(learnt)
-                    del prefixes[:-_MAX_PER_KEY]
+                self._add_locked(key, *learnt)
             else:
-                recent_list.append(text)
-                del recent_list[:-_MAX_PER_KEY]
+                self._add_locked(key, None, None, recent=text)
+
+    def _add_locked(
+        self, key: tuple[bool, str], prefix: str | None, ids: list[int] | None, recent: str | None = None
+    ) -> bool:
+        """Add a prefix (or, without one, a recent prompt) to ``key``'s group, then leave the
+        limits; returns whether a new prefix was added. Holds ``_lock``."""
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = ([], [])
+        self._groups.move_to_end(key)
+        prefixes, recent_list = group
+        added = False
+        if prefix is not None and ids is not None:
+            if all(p != prefix for p, _ in prefixes):
+                prefixes.append((prefix, ids))
+                self._chars += len(prefix) - sum(len(p) for p, _ in prefixes[:-_MAX_PER_KEY])
+                del prefixes[:-_MAX_PER_KEY]
+                added = True
+        elif recent is not None:
+            recent_list.append(recent)
+            self._chars += len(recent) - sum(len(r) for r in recent_list[:-_MAX_PER_KEY])
+            del recent_list[:-_MAX_PER_KEY]
+        while len(self._groups) > 1 and (len(self._groups) > self.max_keys or self._chars > self.max_chars):
+            _, (old_prefixes, old_recent) = self._groups.popitem(last=False)
+            self._chars -= sum(len(p) for p, _ in old_prefixes) + sum(len(r) for r in old_recent)
+        return added
