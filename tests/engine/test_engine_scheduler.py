@@ -193,7 +193,7 @@ class BrokenStore:
         self.calls += 1
         raise RuntimeError("store bug")
 
-    async def store(self, tokens, tenant, kv, skip_tokens=0, on_written=None, every_tier=False, keys=None):  # type: ignore[no-untyped-def]
+    async def store(self, write):  # type: ignore[no-untyped-def]
         raise RuntimeError("store bug")
 
     async def drain(self) -> None:

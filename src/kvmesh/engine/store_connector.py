@@ -60,6 +60,25 @@ class LocalTiers:
     """``(tokens, tenant)`` → the keys of the full chunks of ``tokens``, as the reports name them."""
 
 
+@dataclass(frozen=True, slots=True)
+class PromptWrite:
+    """A prompt's KV on its way to the store."""
+
+    tokens: list[int]
+    tenant: str
+    kv: np.ndarray
+    """KV of ``tokens``, (L, 2, H, len(tokens), D)."""
+    skip_tokens: int = 0
+    """Leading tokens known to be stored already: their chunks are not written."""
+    on_written: StoreWritten | None = None
+    """Hears once per tier that took the write (or already held it); never for a tier that dropped it."""
+    every_tier: bool = False
+    """Write each tier what it lacks, even when the fastest tier holds the chunks (a prompt about to
+    be pinned)."""
+    keys: list[StoreKey] | None = None
+    """The prompt's :meth:`PrefixStore.store_keys`, when the caller has them."""
+
+
 class PrefixStore(Protocol):
     """Token-level store access for one model and KV layout."""
 
@@ -77,23 +96,9 @@ class PrefixStore(Protocol):
         tokens carrying ``held_tokens`` when nothing was read."""
         ...
 
-    async def store(
-        self,
-        tokens: list[int],
-        tenant: str,
-        kv: np.ndarray,
-        skip_tokens: int = 0,
-        on_written: StoreWritten | None = None,
-        every_tier: bool = False,
-        keys: list[StoreKey] | None = None,
-    ) -> None:
-        """Write the chunks of ``tokens`` (KV (L, 2, H, len(tokens), D)) past ``skip_tokens`` the store lacks.
-
-        ``on_written`` hears once per tier that took the write (or already held it); never for a
-        tier that dropped it. ``every_tier``: write each tier what it lacks, even when the fastest
-        tier holds the chunks (a prompt about to be pinned). ``keys``: the prompt's
-        :meth:`store_keys`, when the caller has them.
-        """
+    async def store(self, write: PromptWrite) -> None:
+        """Write the chunks of ``write.tokens`` past ``write.skip_tokens`` the store lacks (see
+        :class:`PromptWrite`)."""
         ...
 
     def pin_max_ttl_s(self, tenant: str) -> float | None:
@@ -137,16 +142,7 @@ class NullPrefixStore:
     ) -> LoadedPrefix | None:
         return None
 
-    async def store(
-        self,
-        tokens: list[int],
-        tenant: str,
-        kv: np.ndarray,
-        skip_tokens: int = 0,
-        on_written: StoreWritten | None = None,
-        every_tier: bool = False,
-        keys: list[StoreKey] | None = None,
-    ) -> None:
+    async def store(self, write: PromptWrite) -> None:
         return None
 
     def pin_max_ttl_s(self, tenant: str) -> float | None:
@@ -200,25 +196,16 @@ class CacheEngineStore:
             return LoadedPrefix(0, None, Medium.GPU.value, (), held) if held else None
         return LoadedPrefix(int(result.num_tokens), None, Medium.parse(result.tier).value, result.parts, held)
 
-    async def store(
-        self,
-        tokens: list[int],
-        tenant: str,
-        kv: np.ndarray,
-        skip_tokens: int = 0,
-        on_written: StoreWritten | None = None,
-        every_tier: bool = False,
-        keys: list[StoreKey] | None = None,
-    ) -> None:
-        report = None if on_written is None else _by_medium(on_written)
+    async def store(self, write: PromptWrite) -> None:
+        report = None if write.on_written is None else _by_medium(write.on_written)
         await self._engine.store(
-            tokens,
-            self._ns(tenant),
-            kv,
-            skip_tokens=skip_tokens,
+            write.tokens,
+            self._ns(write.tenant),
+            write.kv,
+            skip_tokens=write.skip_tokens,
             on_written=report,
-            every_tier=every_tier,
-            keys=keys,
+            every_tier=write.every_tier,
+            keys=write.keys,
         )
 
     def pin_max_ttl_s(self, tenant: str) -> float | None:

@@ -31,7 +31,13 @@ from kvmesh.engine.local_tiers import LocalTierAnnouncer
 from kvmesh.engine.prefix_cache import PrefixCache, engine_block_hash
 from kvmesh.engine.request import EngineRequest, EngineStats
 from kvmesh.engine.runner import NUMPY_KV, KVArray, ModelRunner, Sequence
-from kvmesh.engine.store_connector import LoadedPrefix, NullPrefixStore, PrefixStore, StoreWritten
+from kvmesh.engine.store_connector import (
+    LoadedPrefix,
+    NullPrefixStore,
+    PrefixStore,
+    PromptWrite,
+    StoreWritten,
+)
 
 if TYPE_CHECKING:
     from kvmesh.store.keys import StoreKey
@@ -264,15 +270,8 @@ class StoreSync:
             host = kv if ops is NUMPY_KV else await asyncio.to_thread(ops.to_host, kv)
             if self.local is not None:
                 self.local.expect(tokens, keys, tenant, chunk_keys)
-            await self.store.store(
-                tokens,
-                tenant,
-                host,
-                skip,
-                on_written=on_written,
-                every_tier=pin_ttl_s is not None,
-                keys=chunk_keys,
-            )
+            write = PromptWrite(tokens, tenant, host, skip, on_written, pin_ttl_s is not None, chunk_keys)
+            await self.store.store(write)
             if pin_for is not None and pin_ttl_s is not None:
                 pin_for.pin_results = await self.store.pin(tokens, tenant, pin_ttl_s)
             if role is Role.PREFILL:
