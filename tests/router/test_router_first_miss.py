@@ -275,6 +275,8 @@ def test_off_loop_matching_and_an_unreachable_index(tokenizer):
     found = asyncio.run(tokenize_until_miss(LongPrompt(text, True, tokenizer), routing, sched, off_loop=True))
     assert found.pods[POD_A].num_blocks == 700
     # a dead index is a miss: routed by load, the prompt's length still estimated
+    text = long_document(20_000, 14)
+    full = tokenizer.encode_piece(text, True)
     routing = RoutingRequest("r", as_token_array([]), NAMESPACE)
     found = asyncio.run(
         tokenize_until_miss(
@@ -301,3 +303,35 @@ def test_known_prefixes_stay_within_their_character_budget(tokenizer):
     assert known is not None and known == (len(docs[-1]), tokenizer.encode_piece(docs[-1], True))
     kept = sum(len(p) for prefixes, _ in reuse._groups.values() for p, _ in prefixes)
     assert kept == reuse._chars <= 3000
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    a=st.text(alphabet="ab ", max_size=3000),
+    b=st.text(alphabet="ab ", max_size=3000),
+    shared=st.integers(0, 3000),
+)
+def test_common_length_is_the_common_prefix(a, b, shared):
+    from kvmesh.router.prefix_tokens import _common_length
+
+    b = a[:shared] + b
+    want = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    assert _common_length(a, b) == want
+
+
+def test_a_start_shared_by_recent_prompts_is_learnt_without_any_cache(tokenizer):
+    sched = scheduler(InMemoryIndex())  # nothing held anywhere
+    system = "Shared manual: " + long_document(20_000, 21)
+    reuse = tokenizer.prefixes
+    assert reuse is not None
+    learnt, reused = reuse.num_learnt, reuse.num_reused
+    route(sched, tokenizer, system + " First question?")
+    assert reuse.num_learnt == learnt  # one prompt: nothing to share with yet
+    route(sched, tokenizer, system + " Second question?")
+    assert reuse.num_learnt == learnt + 1
+    third = system + " Third question, " + long_document(30, 22)
+    routing, found = route(sched, tokenizer, third)
+    assert reuse.num_reused == reused + 1
+    full = tokenizer.encode_piece(third, True)
+    assert [int(t) for t in routing.tokens] == full  # the short rest was one piece
+    assert routing.num_prompt_tokens is None and found.num_blocks == len(full) // 16

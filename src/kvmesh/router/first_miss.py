@@ -44,6 +44,9 @@ DEFAULT_MIN_CHARS = 65_536
 DEFAULT_FIRST_PIECE_CHARS = 8192
 """The first piece's length (about 2k tokens); each later piece is twice the previous one."""
 
+_THREAD_MIN_CHARS = 4096
+"""Shorter pieces (the rest after a known prefix, often) are tokenized without a thread hop."""
+
 _MAX_CUT_TRIES = 256
 """Spaces tried backwards for a valid cut before the rest is tokenized in one piece."""
 
@@ -159,13 +162,27 @@ async def tokenize_until_miss(
     text = prompt.text
     reuse = prompt.tokenizer.prefixes
     known = None if reuse is None else reuse.longest_known(text, prompt.add_special_tokens)
-    start, ids = (0, []) if known is None else (known[0], known[1][:])
+    if reuse is not None and len(text) - (0 if known is None else known[0]) > first_piece_chars:
+        # A start shared with recent prompts (a system prompt no cache holds yet) is tokenized
+        # once, here, and reused by every later prompt with it.
+        known = (
+            await asyncio.to_thread(
+                reuse.learn_shared, text, prompt.add_special_tokens, 0 if known is None else known[0]
+            )
+            or known
+        )
+    start, ids = (0, []) if known is None else known  # never mutated: known ids stay shared
     cuts: list[tuple[int, int]] = []  # (characters, ids) at each piece's end
     size = first_piece_chars
     while True:
         cut = next_cut(text, start, start + size)
         special = prompt.add_special_tokens and start == 0
-        ids += await asyncio.to_thread(prompt.tokenizer.encode_piece, text[start:cut], special)
+        piece = text[start:cut]
+        ids = ids + (
+            prompt.tokenizer.encode_piece(piece, special)
+            if len(piece) < _THREAD_MIN_CHARS
+            else await asyncio.to_thread(prompt.tokenizer.encode_piece, piece, special)
+        )
         start, size = cut, size * 2
         cuts.append((start, len(ids)))
         routing.tokens = as_token_array(ids)

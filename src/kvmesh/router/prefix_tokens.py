@@ -44,15 +44,23 @@ def valid_cut(text: str, cut: int) -> bool:
 
 
 def _common_length(a: str, b: str) -> int:
-    """Length of the common prefix of ``a`` and ``b`` (binary search on C-level compares)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    """Length of the common prefix of ``a`` and ``b`` (C-level compares of windows that double,
+    then a binary search inside the first window that differs; each character copied about twice)."""
+    n = min(len(a), len(b))
+    lo, size = 0, 256
+    while lo < n:
+        hi = min(lo + size, n)
+        if a[lo:hi] != b[lo:hi]:
+            # a[:lo] == b[:lo], and the first difference lies in [lo, hi)
+            while lo < hi - 1:
+                mid = (lo + hi) // 2
+                if a[lo:mid] == b[lo:mid]:
+                    lo = mid
+                else:
+                    hi = mid
+            return lo
+        lo, size = hi, size * 2
+    return n
 
 
 def _longest_of(prefixes: list[tuple[str, list[int]]], text: str) -> tuple[str, list[int]] | None:
@@ -170,6 +178,38 @@ class PrefixReuse:
             return None
         self.num_reused += 1
         return len(best[0]), best[1]
+
+    def learn_shared(
+        self, text: str, add_special_tokens: bool, known_chars: int = 0
+    ) -> tuple[int, list[int]] | None:
+        """Learn the longest part ``text`` shares with a recent prompt of its group, for a prompt
+        that will not be tokenized in full (:mod:`kvmesh.router.first_miss`): that part, cut back
+        to a valid boundary, is tokenized and kept when longer than ``known_chars``; otherwise
+        ``text`` joins the recent prompts.
+
+        Returns:
+            The learnt prefix's length in characters and its ids, or ``None``.
+        """
+        if len(text) <= self.min_chars:
+            return None
+        key = (add_special_tokens, text[: self.key_chars])
+        with self._lock:
+            group = self._groups.get(key)
+            recent = [] if group is None else group[1][:]
+        for other in recent:
+            cut = _common_length(text, other)
+            while cut > known_chars and cut >= self.min_chars and not valid_cut(text, cut):
+                cut = text.rfind(" ", 0, cut)
+            if cut <= known_chars or cut < self.min_chars:
+                continue
+            ids = self._full(text[:cut], add_special_tokens)
+            with self._lock:
+                if self._add_locked(key, text[:cut], ids):
+                    self.num_learnt += 1
+            return cut, ids
+        with self._lock:
+            self._add_locked(key, None, None, recent=text)
+        return None
 
     def remember(self, prefix: str, ids: list[int], add_special_tokens: bool) -> None:
         """Keep ``prefix`` with its ids, composed from pieces cut at valid boundaries (the ids
