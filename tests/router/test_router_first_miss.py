@@ -72,7 +72,27 @@ def route(
 
 
 _WORDS = st.sampled_from(
-    ["the", "river", " ", "  ", "\n", "\n\n", "\t", "é", "日本語", "🙂", "'s", "42", "!?", "x" * 9, ".", ","]
+    [
+        *[
+            "the",
+            "river",
+            " ",
+            "  ",
+            "\n",
+            "\n\n",
+            "\t",
+            "é",
+            "日本語",
+            "🙂",
+            "'s",
+            "42",
+            "!?",
+            "x" * 9,
+            ".",
+            ",",
+        ],
+        *["<|im_start|>", "<|im_end|>", "<|endoftext|>", "\u00a0", "\r\n", "'ll", "-->"],
+    ]
 )
 TEXTS = st.lists(_WORDS, min_size=1, max_size=160).map(" ".join) | st.text(min_size=1, max_size=400)
 
