@@ -94,32 +94,17 @@ def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from kvmesh.core.cli_options import options_from_args
     from kvmesh.core.event_transport import DEFAULT_TOPIC
     from kvmesh.core.tenancy import Role
     from kvmesh.engine.app import EngineOptions, build_engine
     from kvmesh.errors import KVMeshError
 
-    opts = EngineOptions(
-        model=args.model,
-        emulate=args.emulate,
-        served_model_name=args.served_model_name,
-        store=args.store,
-        announce_shared_writes=args.announce_shared_writes,
-        announce_local_tiers=args.announce_local_tiers,
-        events=args.events,
-        events_replay=args.events_replay,
+    opts = options_from_args(
+        EngineOptions,
+        args,
         events_topic=DEFAULT_TOPIC if args.events_topic is None else args.events_topic,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_capacity_tokens=args.kv_capacity_tokens,
-        block_size=args.block_size,
-        hash_algo=args.hash_algo,
         role=Role(args.role),
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        stream_interval=args.stream_interval,
-        num_threads=args.num_threads,
     )
 
     async def main() -> None:

@@ -15,7 +15,14 @@ from rich.table import Table
 
 def register(subparsers: Any) -> None:
     up = subparsers.add_parser("up", help="start engines + router + shared tier on this machine until Ctrl-C")
-    up.add_argument("--engines", type=int, default=2, help="engine replicas (default 2)")
+    up.add_argument(
+        "--engines",
+        type=int,
+        default=2,
+        dest="num_engines",
+        metavar="ENGINES",
+        help="engine replicas (default 2)",
+    )
     up.add_argument(
         "--model", default="smollm2", help="engine --model (smollm2, tiny-random-llama, a directory)"
     )
@@ -47,7 +54,14 @@ def register(subparsers: Any) -> None:
     up.add_argument(
         "--run-dir", type=Path, default=None, help="logs, fleet.json, shared dir (default: temp dir)"
     )
-    up.add_argument("--health-timeout", type=float, default=300.0, help="seconds to wait for each process")
+    up.add_argument(
+        "--health-timeout",
+        type=float,
+        default=300.0,
+        dest="health_timeout_s",
+        metavar="HEALTH_TIMEOUT",
+        help="seconds to wait for each process",
+    )
     up.set_defaults(func=_cmd_up)
 
 
@@ -69,6 +83,7 @@ def _fleet_table(fleet: Any) -> Table:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    from kvmesh.core.cli_options import options_from_args
     from kvmesh.errors import FleetError
     from kvmesh.fleet.config import FleetConfig, split_args
     from kvmesh.fleet.launcher import Fleet
@@ -76,21 +91,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)  # the fleet table's log paths stay on one line in a file or pipe
-    config = FleetConfig(
-        num_engines=args.engines,
-        model=args.model,
-        emulate=args.emulate,
-        shared=args.shared,
-        policy=args.policy,
-        router_config=args.router_config,
+    config = options_from_args(
+        FleetConfig,
+        args,
         start_router=not args.no_router,
         router_port=args.port or None,
         engine_args=split_args(args.engine_arg),
         router_args=split_args(args.router_arg),
-        run_dir=args.run_dir,
-        health_timeout_s=args.health_timeout,
-        engine=args.engine,
-        emulated_store=args.emulated_store,
     )
 
     async def main() -> int:
@@ -103,7 +110,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         start = asyncio.create_task(fleet.start())
         stopper = asyncio.create_task(stop.wait())
         try:
-            with console.status(f"starting {args.engines} engines, router and shared tier ..."):
+            with console.status(f"starting {config.num_engines} engines, router and shared tier ..."):
                 done, _ = await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
             if start not in done:
                 start.cancel()

@@ -46,14 +46,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--shape", default="llama-3.1-8b", help="KV shape preset (llama-3.1-8b, qwen3-0.6b, smollm2-135m)"
     )
     bench.add_argument("--chunk-tokens", type=int, default=256)
-    bench.add_argument("--chunks", type=int, default=4, help="chunks per batch")
+    bench.add_argument(
+        "--chunks", type=int, default=4, dest="num_chunks", metavar="CHUNKS", help="chunks per batch"
+    )
     bench.add_argument("--iterations", type=int, default=5)
     bench.add_argument("--codec", default="raw", help="raw | int8 | fp8")
     bench.add_argument("--tiers", default="cpu,disk,fs,redis,valkey", help="comma-separated subset")
     bench.add_argument("--redis-url", default=None, help="use this server instead of starting redis-server")
     bench.add_argument("--valkey-url", default=None, help="use this server instead of starting valkey-server")
     bench.add_argument(
-        "--dir", default=None, help="directory for the disk and fs tiers (default: a temp dir)"
+        "--dir",
+        default=None,
+        dest="workdir",
+        metavar="DIR",
+        help="directory for the disk and fs tiers (default: a temp dir)",
     )
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=_cmd_bench)
@@ -156,18 +162,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from kvmesh.core.cli_options import options_from_args
     from kvmesh.store.bench import BenchOptions, run_bench
 
-    options = BenchOptions(
-        shape=args.shape,
-        chunk_tokens=args.chunk_tokens,
-        num_chunks=args.chunks,
-        iterations=args.iterations,
-        codec=args.codec,
-        tiers=tuple(t.strip() for t in args.tiers.split(",") if t.strip()),
-        redis_url=args.redis_url,
-        valkey_url=args.valkey_url,
-        workdir=args.dir,
+    options = options_from_args(
+        BenchOptions, args, tiers=tuple(t.strip() for t in args.tiers.split(",") if t.strip())
     )
     console = Console(stderr=True)
     try:
