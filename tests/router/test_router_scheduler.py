@@ -496,3 +496,15 @@ def test_no_attribute_probing_dispatch_in_the_router():
         if "hasattr(" in line
     ]
     assert probing == []
+
+
+def test_hasher_is_one_per_namespace_value_whichever_object_asks():
+    sched = Scheduler.from_config(load_scheduler_config("precise"), block_size=16)
+    a, b = NS.for_tenant("a"), NS.for_tenant("b")
+    hasher_a = sched.hasher(a)
+    assert hasher_a.namespace == a
+    assert sched.hasher(a) is hasher_a
+    assert sched.hasher(NS.for_tenant("a")) is hasher_a  # an equal namespace, another object
+    hasher_b = sched.hasher(b)
+    assert hasher_b is not hasher_a and hasher_b.namespace == b
+    assert sched.hasher(a) is hasher_a and sched.hasher(b) is hasher_b

@@ -123,6 +123,9 @@ class Scheduler:
         self.memo = memo
         self._default_picker = MaxScorePicker(self.rng)
         self._hashers: dict[Namespace, BlockHasher] = {}
+        self._last_hasher: tuple[Namespace, BlockHasher] | None = None
+        """The last namespace object asked for: a request asks several times with one object,
+        and hashing a namespace (a dataclass) for the dict costs µs each time."""
         self.align_match: Callable[[PrefixMatch], PrefixMatch] | None = None
 
     @classmethod
@@ -160,9 +163,13 @@ class Scheduler:
 
     def hasher(self, namespace: Namespace) -> BlockHasher:
         """The block hasher for one namespace (cached)."""
+        last = self._last_hasher
+        if last is not None and last[0] is namespace:
+            return last[1]
         hasher = self._hashers.get(namespace)
         if hasher is None:
             hasher = self._hashers[namespace] = BlockHasher(namespace, self.block_size, self.hash_algo)
+        self._last_hasher = (namespace, hasher)
         return hasher
 
     def match(
