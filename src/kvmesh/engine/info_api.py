@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
@@ -33,6 +34,7 @@ class PrefixCacheReset(Protocol):
         ...
 
 
+@dataclass(slots=True, eq=False)
 class InfoApi:
     """Routes that describe an engine or answer without running the model.
 
@@ -42,10 +44,9 @@ class InfoApi:
         cache: resets the prefix cache.
     """
 
-    def __init__(self, model: ServedModel, metrics: EngineMetrics, cache: PrefixCacheReset) -> None:
-        self.model = model
-        self.metrics = metrics
-        self.cache = cache
+    model: ServedModel
+    metrics: EngineMetrics
+    cache: PrefixCacheReset
 
     def register(self, router: web.UrlDispatcher) -> None:
         router.add_get("/v1/models", self.models)

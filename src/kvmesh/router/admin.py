@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict
+from dataclasses import KW_ONLY, asdict, dataclass
 from typing import Any, Protocol
 
 import msgspec
@@ -54,6 +54,7 @@ class AdminSubject(Protocol):
         ...
 
 
+@dataclass(slots=True, eq=False)
 class AdminApi:
     """The admin routes of one router.
 
@@ -64,13 +65,11 @@ class AdminApi:
         explain_history: how many answered requests ``cache_report`` explains.
     """
 
-    def __init__(
-        self, router: AdminSubject, *, token: str | None, cache_report: CacheReporter, explain_history: int
-    ) -> None:
-        self.router = router
-        self.token = token
-        self.cache_report = cache_report
-        self.explain_history = explain_history
+    router: AdminSubject
+    _: KW_ONLY
+    token: str | None
+    cache_report: CacheReporter
+    explain_history: int
 
     def register(self, app: web.Application) -> None:
         """Add the admin routes to ``app``."""
