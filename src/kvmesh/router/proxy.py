@@ -39,6 +39,15 @@ _USAGE_TAIL = 16 * 1024
 """Bytes of a stream's end kept to find its usage chunk."""
 
 
+class _UsageOnly(msgspec.Struct):
+    """An answer's top-level ``usage``: the rest (the generated text) is skipped, not built."""
+
+    usage: Any = None
+
+
+_USAGE_DECODER = msgspec.json.Decoder(_UsageOnly)
+
+
 class UpstreamProxy:
     """Sends requests to endpoints and relays their answers.
 
@@ -167,15 +176,15 @@ class UpstreamProxy:
                     502, f"endpoint {pod} failed mid-response: {exc}", kind="upstream_error"
                 )
             usage = self._record_usage(data)
-            resp = web.Response(status=upstream.status, body=data, headers={"Content-Type": content_type})
-            resp.headers[ENDPOINT_HEADER] = pod
+            # One dict, turned into the response's header multidict once.
+            headers = {"Content-Type": content_type, ENDPOINT_HEADER: pod}
             if response_headers:
-                resp.headers.update(response_headers)
+                headers.update(response_headers)
             if note is not None:
-                resp.headers[REQUEST_ID_HEADER] = note.request_id
+                headers[REQUEST_ID_HEADER] = note.request_id
                 if upstream.status == 200 and self.reporter is not None:
-                    resp.headers[CACHE_HEADER] = self.reporter.finish(note, pod, usage).header_value()
-            return resp
+                    headers[CACHE_HEADER] = self.reporter.finish(note, pod, usage).header_value()
+            return web.Response(status=upstream.status, body=data, headers=headers)
         chunks = upstream.content.iter_any()
         try:
             # The client's answer starts with the engine's first chunk: by then the engine's
@@ -230,22 +239,22 @@ class UpstreamProxy:
 
     def _record_usage(self, data: bytes) -> CacheUsage | None:
         try:
-            body = msgspec.json.decode(data)
-        except msgspec.DecodeError:
+            body = _USAGE_DECODER.decode(data)
+        except msgspec.DecodeError:  # not JSON, or not an object
             return None
-        return self._count_cached(body)
+        return self._count_cached(body.usage)
 
     def _record_stream_usage(self, tail: bytes) -> CacheUsage | None:
         for line in reversed(tail.split(b"\n")):
             if line.startswith(b"data: {") and b'"usage"' in line:
                 try:
-                    return self._count_cached(msgspec.json.decode(line[6:]))
+                    return self._count_cached(_USAGE_DECODER.decode(line[6:]).usage)
                 except msgspec.DecodeError:
                     return None
         return None
 
-    def _count_cached(self, body: Any) -> CacheUsage | None:
-        usage = CacheUsage.from_usage(body.get("usage")) if isinstance(body, dict) else None
+    def _count_cached(self, raw_usage: Any) -> CacheUsage | None:
+        usage = CacheUsage.from_usage(raw_usage)
         if usage is not None and usage.cached_tokens > 0:
             self.metrics.realized_hit_tokens.inc(usage.cached_tokens)
         return usage
