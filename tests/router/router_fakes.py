@@ -199,6 +199,7 @@ class FakeEngine:
                 "replay_endpoint": self.publisher.replay_endpoint,
                 "role": self.role,
                 "kv_bytes_per_token": 1024,
+                "kv_capacity_tokens": 65536,
                 "max_model_len": 8192,
             }
         )

@@ -66,8 +66,9 @@ async def completion(client: TestClient, prompt: Any, headers: dict | None = Non
 async def test_precise_routing_follows_the_prefix(engines):
     es = await engines(3)
     async with gateway_client(es) as (gw, client):
-        # what each engine reports of itself reaches the scorers (the TTFT estimate's transfer size)
-        assert all(gw.pool.get(e.url).state.kv_bytes_per_token == 1024 for e in es)  # type: ignore[union-attr]
+        # what each engine reports of itself reaches the scorers (the TTFT estimate's transfer size, KV room)
+        states = [gw.pool.get(e.url).state for e in es]  # type: ignore[union-attr]
+        assert all(s.kv_bytes_per_token == 1024 and s.kv_capacity_tokens == 65536 for s in states)
         resp, body = await completion(client, PROMPT)
         assert resp.status == 200
         holder = resp.headers[ENDPOINT_HEADER]

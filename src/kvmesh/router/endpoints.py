@@ -85,6 +85,7 @@ class EngineInfo(msgspec.Struct):
     replay_endpoint: str | None = None
     role: str = "both"
     kv_bytes_per_token: int = 0
+    kv_capacity_tokens: int = 0
     max_model_len: int = 0
     revision: str = ""
 
@@ -240,6 +241,7 @@ class EndpointPool:
         state = EndpointState(pod=pod, role=role, healthy=reachable)
         if info is not None:
             state.kv_bytes_per_token = info.kv_bytes_per_token
+            state.kv_capacity_tokens = info.kv_capacity_tokens
         endpoint = Endpoint(config=config, state=state, info=info)
         endpoint.events_endpoint = config.events_endpoint or (
             _reachable(info.events_endpoint, pod) if info is not None else None

@@ -139,7 +139,10 @@ class SimRouter:
         self.replicas = list(replicas)
         self._by_pod = {r.pod: r for r in self.replicas}
         self.metrics_interval_s = metrics_interval_s
-        self._states = [[EndpointState(r.pod) for r in self.replicas] for _ in range(gateways)]
+        self._states = [
+            [EndpointState(r.pod, kv_capacity_tokens=r.config.kv_capacity_tokens) for r in self.replicas]
+            for _ in range(gateways)
+        ]
         """Each gateway's view of the endpoints: shared scraped gauges, its own ``in_flight``."""
         self._ledgers = [prefill_ledger_of(scheduler_config) for _ in range(gateways)]
         """Each gateway's outstanding prefill work per endpoint and the speeds it learned."""

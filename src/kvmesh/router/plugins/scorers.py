@@ -12,6 +12,7 @@ from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
 from kvmesh.core.types import BlockKey, Medium, PodId
 from kvmesh.errors import ConfigError
 from kvmesh.router.plugins.base import Params, PluginContext, Scorer
+from kvmesh.router.plugins.kv_admission import KVAdmissionPrice
 from kvmesh.router.prefill_ledger import DEFAULT_MAX_CONTEXT_RATIO, prefill_work
 from kvmesh.router.prefix import DEFAULT_TIER_WEIGHTS, weighted_blocks
 from kvmesh.router.types import EndpointState, PrefixMatch, RoutingRequest
@@ -292,7 +293,8 @@ class TTFTEstimateScorer:
       of that prior;
     - share: running decodes take one token each of every step's ``max_batched_tokens``;
     - transfer: blocks cached in a tier move at that tier's GB/s (0: no transfer, the device itself),
-      at the KV bytes per token the endpoint reports (``kv_bytes_per_token`` where it reports none).
+      at the KV bytes per token the endpoint reports (``kv_bytes_per_token`` where it reports none);
+    - KV: the wait for free KV and the recompute of what the new tokens evict (``kv_price``).
 
     A prefix's holder wins while its backlog costs less than recomputing the prefix elsewhere; once
     it is saturated, the next request for that prefix goes to where it finishes first and becomes a
@@ -312,6 +314,7 @@ class TTFTEstimateScorer:
     learn_context: bool = True
     """Whether the router's prefill ledger learns the attention context (``prefill_ledger_of``)."""
     max_context_ratio: float = DEFAULT_MAX_CONTEXT_RATIO
+    kv_price: KVAdmissionPrice = field(default_factory=KVAdmissionPrice)
 
     def seconds_per_token(self, endpoint: EndpointState) -> float:
         prior = 1.0 / self.prefill_tokens_per_s
@@ -356,6 +359,8 @@ class TTFTEstimateScorer:
         else:
             own = max(num - cached, 1)
         queue = max(endpoint.pending_prefill_tokens * spt, endpoint.waiting * self.queued_request_s)
+        if self.kv_price.enabled:
+            queue += self.kv_price.seconds(endpoint, num, num - cached, spt)
         return transfer + queue + own * spt
 
     def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
@@ -424,6 +429,7 @@ def make_ttft_estimate_scorer(name: str, params: Params, ctx: PluginContext) -> 
         attention_context=params.number("attentionContextTokens", 0.0, minimum=0.0),
         learn_context=params.boolean("learnAttentionContext", True),
         max_context_ratio=params.number("maxLearnedContextRatio", DEFAULT_MAX_CONTEXT_RATIO, minimum=1.0),
+        kv_price=KVAdmissionPrice.from_params(params),
     )
 
 

@@ -1,0 +1,76 @@
+"""The TTFT estimate's KV term: the wait for free KV and the recompute of what a copy evicts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvmesh.core.hashing import Namespace
+from kvmesh.core.types import Medium, PodId
+from kvmesh.router.index import InMemoryIndex
+from kvmesh.router.plugins.kv_admission import KVAdmissionPrice
+from kvmesh.router.plugins.scorers import TTFTEstimateScorer
+from kvmesh.router.scheduler import Scheduler, load_scheduler_config
+from kvmesh.router.types import EndpointState, PodMatch, PrefixMatch, RoutingRequest
+
+HOLDER, OTHER = PodId("http://holder:1"), PodId("http://other:1")
+PROMPT = list(range(1000, 1000 + 16 * 64))  # 1,024 tokens, 64 blocks of 16
+
+
+def session_turn(held_blocks: int) -> RoutingRequest:
+    r = RoutingRequest("r", PROMPT, Namespace("m"))
+    r.prefix = PrefixMatch(64, 16, {HOLDER: PodMatch(held_blocks, {Medium.GPU: held_blocks})})
+    return r
+
+
+def scorer(price: KVAdmissionPrice) -> TTFTEstimateScorer:
+    return TTFTEstimateScorer(1000.0, 0.0, 0.0, {}, kv_price=price)
+
+
+def test_a_prompt_that_does_not_fit_the_free_kv_waits_for_running_requests_to_release_it():
+    price = KVAdmissionPrice(turnover_s=8.0)
+    full = EndpointState(OTHER, kv_capacity_tokens=4096, kv_cache_usage=0.9)  # 409.6 tokens free
+    assert price.seconds(full, 1024, 1024, 0.001) == pytest.approx((1024 - 409.6) / 4096 * 8.0)
+    assert (
+        price.seconds(EndpointState(OTHER, kv_capacity_tokens=4096, kv_cache_usage=0.5), 1024, 1024, 0.001)
+        == 0.0
+    )
+    # a prompt larger than the whole KV waits for all of it, not longer
+    assert (
+        price.seconds(EndpointState(OTHER, kv_capacity_tokens=512, kv_cache_usage=1.0), 1024, 0, 0.0) == 8.0
+    )
+    # an engine that does not report its capacity is priced as before
+    assert price.seconds(EndpointState(OTHER, kv_cache_usage=1.0), 1024, 1024, 0.001) == 0.0
+
+
+def test_new_tokens_are_priced_with_the_recompute_of_what_they_evict():
+    price = KVAdmissionPrice(evict_weight=0.5)
+    empty = EndpointState(OTHER, kv_capacity_tokens=100_000)
+    assert price.seconds(empty, 1024, 1000, 0.002) == pytest.approx(0.5 * 1000 * 0.002)
+    assert price.seconds(empty, 1024, 0, 0.002) == 0.0
+
+
+def test_a_busy_holder_keeps_its_session_when_the_copy_waits_for_kv_and_evicts():
+    # the holder has 960 of 1,024 tokens and 1,100 tokens of prefill ahead; the other endpoint is idle
+    # in compute but its KV is held by running requests
+    r = session_turn(held_blocks=60)
+    holder = EndpointState(HOLDER, pending_prefill_tokens=1100, kv_capacity_tokens=8192, kv_cache_usage=0.2)
+    other = EndpointState(OTHER, kv_capacity_tokens=8192, kv_cache_usage=0.95)
+    compute_only = scorer(KVAdmissionPrice())
+    assert compute_only.score(r, [holder, other]) == [pytest.approx(1.024 / 1.164), 1.0]  # moves
+    with_kv = scorer(KVAdmissionPrice(turnover_s=8.0, evict_weight=0.5))
+    scores = with_kv.score(r, [holder, other])
+    # other: 1.024 s compute + 0.6 s for KV + 0.512 s evicted; holder: 1.164 + 0.032 s
+    assert scores == [1.0, pytest.approx(1.196 / 2.136)]  # stays
+
+
+def test_the_default_profile_prices_what_a_copy_evicts():
+    config = load_scheduler_config("precise")
+    s = Scheduler.from_config(config, index=InMemoryIndex(capacity=None), rng=random.Random(0))
+    ttft = next(w.scorer for w in s.profiles["default"].scorers if isinstance(w.scorer, TTFTEstimateScorer))
+    assert ttft.kv_price == KVAdmissionPrice(turnover_s=0.0, evict_weight=0.5)
+    config["plugins"][0]["parameters"]["kvTurnoverSeconds"] = 8
+    s = Scheduler.from_config(config, index=InMemoryIndex(capacity=None), rng=random.Random(0))
+    ttft = next(w.scorer for w in s.profiles["default"].scorers if isinstance(w.scorer, TTFTEstimateScorer))
+    assert ttft.kv_price.turnover_s == 8.0
