@@ -5,7 +5,10 @@
 * ingest: BlockStored batches (32 blocks of 16 tokens each, as a 512-token prefill publishes),
   chained continuations and BlockRemoved evictions from 8 pods, applied by ``EventApplier`` to an
   ``InMemoryIndex``; reported as block events per second, from pre-decoded batches and from raw
-  msgpack payloads (decode included).
+  msgpack payloads (decode included), and from payloads with the cache report's seen-block memory
+  on (the router's default). ``--steps`` also times each step alone (µs per block event): decode,
+  and for stored blocks packing, hashing with the memo's inputs, memo, engine-hash map, index and
+  seen-block memory; for removed blocks the map, the index and the seen-block memory.
 * score: one 8k-token prompt (a u32 array, as the gateway passes it) through ``Scheduler.pick``
   with the ``precise`` preset over 8 endpoints, hashing included; cold (no pod holds block 0), half
   cached and fully cached; without and with the key memo that ingestion fills (the router's default).
@@ -25,11 +28,14 @@ import time
 from typing import Any
 
 from kvmesh.core.events import BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch
-from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace, as_token_array
-from kvmesh.core.types import PodId
-from kvmesh.router.index import InMemoryIndex
+from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace, as_token_array, tokens_to_bytes
+from kvmesh.core.types import BlockKey, Medium, PodId
+from kvmesh.router.cache_explain import CacheReportConfig
+from kvmesh.router.cache_memory import RememberingIndex, SeenBlocks
+from kvmesh.router.index import MEDIUM_BITS, InMemoryIndex, MediumSet
 from kvmesh.router.ingest import EventApplier
 from kvmesh.router.keymemo import BlockKeyMemo
+from kvmesh.router.pod_blocks import PodBlocks
 from kvmesh.router.scheduler import Scheduler, load_scheduler_config
 from kvmesh.router.types import EndpointState, RoutingRequest
 
@@ -84,11 +90,82 @@ def bench_ingest(algo: HashAlgo, n_batches: int) -> dict[str, float]:
     for pod, payload in payloads:
         applier.apply_batch(pod, decode_batch(payload))
     raw_s = CLOCK() - start
+
+    # The router's default: the cache report's seen-block memory fed by every index write.
+    seen = RememberingIndex(InMemoryIndex(), SeenBlocks(CacheReportConfig().seen_blocks))
+    applier = EventApplier(seen, model=MODEL, algo=algo, memo=BlockKeyMemo())
+    start = CLOCK()
+    for pod, payload in payloads:
+        applier.apply_batch(pod, decode_batch(payload))
+    seen_s = CLOCK() - start
     return {
         "block_events": n_events,
         "events_per_s_decoded": n_events / decoded_s,
         "events_per_s_from_payload": n_events / raw_s,
+        "events_per_s_from_payload_seen_blocks": n_events / seen_s,
     }
+
+
+def _per(n: int, start: float) -> float:
+    return (CLOCK() - start) / n * 1e6
+
+
+def bench_ingest_steps(algo: HashAlgo, n_batches: int) -> dict[str, float]:
+    """µs per block event of each step ``EventApplier`` takes, each timed alone on the same stream."""
+    batches, n_events = make_batches(n_batches, algo)
+    stored = [(pod, ev) for pod, b in batches for ev in b.events if isinstance(ev, BlockStored)]
+    removed = [(pod, ev) for pod, b in batches for ev in b.events if isinstance(ev, BlockRemoved)]
+    n_stored = sum(len(ev.block_hashes) for _, ev in stored)
+    n_removed = sum(len(ev.block_hashes) for _, ev in removed)
+    payloads = [encode_batch(b.events, ts=0.0) for _, b in batches]
+    out: dict[str, float] = {}
+    start = CLOCK()
+    for payload in payloads:
+        decode_batch(payload)
+    out["step_decode_us"] = _per(n_events, start)
+    start = CLOCK()
+    raws = [tokens_to_bytes(ev.token_ids) for _, ev in stored]
+    out["step_stored_pack_us"] = _per(n_stored, start)
+    hasher = BlockHasher(Namespace(MODEL), BLOCK, algo)
+    # Each batch's second event continues the first one's chain.
+    start = CLOCK()
+    chains: list[tuple[list[BlockKey], list[bytes]]] = []
+    for i, raw in enumerate(raws):
+        chains.append(hasher.hash_packed_with_inputs(raw, chains[-1][0][-1] if i % 2 else None))
+    out["step_stored_hash_with_memo_inputs_us"] = _per(n_stored, start)
+    memo = BlockKeyMemo()
+    start = CLOCK()
+    for keys, inputs in chains:
+        memo.remember_inputs(inputs, keys)
+    out["step_stored_memo_us"] = _per(n_stored, start)
+    pods = {pod: PodBlocks(MEDIUM_BITS[Medium.GPU]) for pod in PODS}
+    gpu = MediumSet(MEDIUM_BITS[Medium.GPU])
+    start = CLOCK()
+    for (pod, ev), (keys, _) in zip(stored, chains, strict=True):
+        pods[pod].store(ev.block_hashes, keys, 0, gpu)
+    out["step_stored_pod_map_us"] = _per(n_stored, start)
+    index = InMemoryIndex()
+    start = CLOCK()
+    for (pod, _), (keys, _) in zip(stored, chains, strict=True):
+        index.add(keys, pod, gpu)
+    out["step_stored_index_us"] = _per(n_stored, start)
+    seen = SeenBlocks(CacheReportConfig().seen_blocks)
+    start = CLOCK()
+    for keys, _ in chains:
+        seen.note_added(keys, gpu)
+    out["step_stored_seen_blocks_us"] = _per(n_stored, start)
+    start = CLOCK()
+    gone = [pods[pod].remove_media(ev.block_hashes, gpu).keys for pod, ev in removed]
+    out["step_removed_pod_map_us"] = _per(n_removed, start)
+    start = CLOCK()
+    for (pod, _), keys in zip(removed, gone, strict=True):
+        index.remove(keys, pod, gpu)
+    out["step_removed_index_us"] = _per(n_removed, start)
+    start = CLOCK()
+    for keys in gone:
+        seen.note_removed(keys, gpu)
+    out["step_removed_seen_blocks_us"] = _per(n_removed, start)
+    return out
 
 
 def bench_score(algo: HashAlgo, repeats: int) -> dict[str, float]:
@@ -133,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--steps", action="store_true", help="also time each ingestion step alone")
     parser.add_argument("--wall", action="store_true", help="wall-clock instead of CPU time")
     args = parser.parse_args(argv)
     global CLOCK
@@ -141,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     for algo_name in args.algo or ["sha256", "xxh3"]:
         algo = HashAlgo(algo_name)
         results[algo_name] = {**bench_ingest(algo, args.batches), **bench_score(algo, args.repeats)}
+        if args.steps:
+            results[algo_name].update(bench_ingest_steps(algo, args.batches))
     if args.json:
         json.dump(results, sys.stdout, indent=2)
         print()
@@ -153,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     for algo_name in results:
         table.add_column(algo_name, justify="right")
     for metric in next(iter(results.values())):
-        table.add_row(metric, *(f"{results[a][metric]:,.0f}" for a in results))
+        table.add_row(
+            metric, *(f"{results[a][metric]:,.{3 if metric.startswith('step_') else 0}f}" for a in results)
+        )
     Console().print(table)
     return 0
 

@@ -30,10 +30,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import numpy as np
-
 from kvmesh.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
-from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, BlockHasher, HashAlgo, Namespace, as_token_array
+from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, BlockHasher, HashAlgo, Namespace, tokens_to_bytes
 from kvmesh.core.types import BlockKey, ExternalBlockHash, Medium, PodId
 from kvmesh.router.chain_namespaces import ChainNamespaces
 from kvmesh.router.engine_blocks import align_match, warn_block_size_mismatch
@@ -300,17 +298,15 @@ class EventApplier:
         per = 1 if ev.block_size == self.block_size else self._router_blocks_per_engine_block(pod, ev)
         if per is None:
             return
-        token_array = self._event_tokens(ev.token_ids, len(hashes) * ev.block_size)
-        if token_array is None:
+        raw = self._event_tokens(ev.token_ids, len(hashes) * ev.block_size)
+        if raw is None:
             return
         # A shared-tier chain may continue from a block only its publisher announced.
         publisher = None if pod == origin else self._pods.get(origin)
-        chain = self._chain_keys(ev, blocks, token_array, len(hashes) * per, publisher)
+        chain = self._chain_keys(ev, blocks, raw, publisher)
         if chain is None:
             return
-        parent_key, ns_id, keys = chain
-        if self.memo is not None:
-            self.memo.remember(parent_key, token_array.tobytes(), keys)
+        ns_id, keys = chain
         # The shared tier's holder moves a block announced again to the newest end.
         touched = blocks.store(hashes, keys, ns_id, bits, move_last=pod == SHARED_TIER_HOLDER)
         self._apply_touched(pod, blocks, touched, MediumSet(bits))
@@ -341,11 +337,12 @@ class EventApplier:
             )
         return per
 
-    def _event_tokens(self, tokens: list[int], need: int) -> np.ndarray | None:
-        """An event's first ``need`` token ids as u32; ``None`` (counted) when too few or not u32."""
+    def _event_tokens(self, tokens: list[int], need: int) -> bytes | None:
+        """An event's first ``need`` token ids packed as u32 little-endian, once for the digests and
+        the memo; ``None`` (counted) when too few or not u32."""
         try:
             if len(tokens) >= need:
-                return as_token_array(tokens[:need] if len(tokens) > need else tokens)
+                return tokens_to_bytes(tokens[:need] if len(tokens) > need else tokens)
         except ValueError:
             pass
         self.stats.num_bad_events += 1
@@ -355,17 +352,16 @@ class EventApplier:
         self,
         ev: BlockStored,
         blocks: PodBlocks,
-        token_array: np.ndarray,
-        num_keys: int,
+        raw: bytes,
         publisher_blocks: PodBlocks | None = None,
-    ) -> tuple[BlockKey, int, list[BlockKey]] | None:
-        """Router keys of ``num_keys`` router blocks of ``token_array``, chained from the event's
-        root or from its parent's entry, as (parent key, namespace id, keys); ``None`` (counted) when
-        the parent is unknown. A shared-tier chain may continue from a block its publisher announced
-        in its own tiers (``publisher_blocks``)."""
+    ) -> tuple[int, list[BlockKey]] | None:
+        """Router keys of the router blocks of ``raw`` (packed token ids), chained from the event's
+        root or from its parent's entry, as (namespace id, keys), memoized when a memo is kept;
+        ``None`` (counted) when the parent is unknown. A shared-tier chain may continue from a
+        block its publisher announced in its own tiers (``publisher_blocks``)."""
         if ev.parent_block_hash is None:
             hasher, ns_id = self._namespaces.hasher_of_chain(ev)
-            return hasher.root, ns_id, hasher.hash_blocks(token_array, None, num_keys)
+            return ns_id, self._hash(hasher, raw, None)
         parent = blocks.entry(ev.parent_block_hash)
         if parent is None and publisher_blocks is not None:
             parent = publisher_blocks.entry(ev.parent_block_hash)
@@ -373,7 +369,15 @@ class EventApplier:
             self.stats.num_orphans += 1
             return None
         hasher = self._namespaces.hasher_of(parent.ns_id)
-        return parent.key, parent.ns_id, hasher.hash_blocks(token_array, parent.key, num_keys)
+        return parent.ns_id, self._hash(hasher, raw, parent.key)
+
+    def _hash(self, hasher: BlockHasher, raw: bytes, parent: BlockKey | None) -> list[BlockKey]:
+        memo = self.memo
+        if memo is None:
+            return hasher.hash_packed(raw, parent)
+        keys, inputs = hasher.hash_packed_with_inputs(raw, parent)
+        memo.remember_inputs(inputs, keys)
+        return keys
 
     def _removed(self, pod: PodId, ev: BlockRemoved) -> None:
         if not self._groups.admit_removed(pod, ev.group_idx):

@@ -9,7 +9,8 @@ so matching a request whose prefix is cached somewhere costs a dict probe per bl
 digest. The probe bytes are exactly the digest's input, which makes a hit equal to what
 :class:`~kvmesh.core.hashing.BlockHasher` would return (the parent carries namespace and digest
 choice through the chain root). Blocks no engine announced are never memoized, so the memo only
-ever speeds up matches and holds no more than the index knows. Bounded: oldest entries leave first.
+ever speeds up matches and holds no more than the index knows. Bounded: oldest entries leave first,
+a sixteenth of the capacity beyond the excess at a time.
 
 Written from the event loop only; ``get`` from a worker thread is safe (single dict lookups).
 """
@@ -26,6 +27,7 @@ from kvmesh.core.types import BlockKey
 
 DEFAULT_MEMO_CAPACITY = 262_144
 _MISS = BlockKey(b"")
+_EVICT_FRACTION = 16
 
 
 class BlockKeyMemo:
@@ -95,13 +97,21 @@ class BlockKeyMemo:
         if excess > 0:
             self._evict(excess)
 
+    def remember_inputs(self, inputs: Sequence[bytes], keys: Sequence[BlockKey]) -> None:
+        """Memoize a chain from its digest inputs (as
+        :meth:`~kvmesh.core.hashing.BlockHasher.hash_packed_with_inputs` returns them):
+        ``keys[i]`` is the key of ``inputs[i]``. The same entries as :meth:`remember`."""
+        memo = self._keys
+        memo.update(zip(inputs, keys, strict=True))
+        excess = len(memo) - self.capacity
+        if excess > 0:
+            self._evict(excess)
+
     def _evict(self, n: int) -> None:
         memo = self._keys
-        oldest = []
-        for probe in memo:
-            oldest.append(probe)
-            if len(oldest) >= n:
-                break
+        # Past capacity a sixteenth more leaves at once: finding the oldest entries scans the
+        # slots freed by earlier evictions, so evicting a few per call would rescan them each time.
+        oldest = list(itertools.islice(memo, n + self.capacity // _EVICT_FRACTION))
         for probe in oldest:
             del memo[probe]
         self.num_evicted += len(oldest)

@@ -12,10 +12,11 @@ chain continues from it like from any other block.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
-from typing import NamedTuple
+from itertools import compress, repeat
+from typing import NamedTuple, cast
 
 from kvmesh.core.types import BlockKey, ExternalBlockHash
 
@@ -147,8 +148,16 @@ class PodBlocks:
             keys.extend(self._sub_keys.get(h, (key,)))
         return touched
 
-    def remove_media(self, hashes: Iterable[ExternalBlockHash], bits: int) -> Touched:
+    def remove_media(self, hashes: Sequence[ExternalBlockHash], bits: int) -> Touched:
         """Take ``bits``' tiers from tracked blocks; a block left in no tier is forgotten."""
+        if not self.usual_bits & ~bits:
+            evicted = self._evict_plain(hashes)
+            if evicted is not None:
+                return evicted
+        return self._remove_media_each(hashes, bits)
+
+    def _remove_media_each(self, hashes: Iterable[ExternalBlockHash], bits: int) -> Touched:
+        """:meth:`remove_media` block by block, whatever the blocks' shapes."""
         touched = Touched()
         keys = touched.keys
         entries, sub = self._entries, self._sub_keys
@@ -158,12 +167,34 @@ class PodBlocks:
                 self._put(h, key, ns_id, left)
                 keys.extend(sub.get(h, (key,)))
             else:
-                del entries[h]
+                if entries.pop(h, None) is None:
+                    # Named twice: gone with its first mention, so this one is unknown.
+                    touched.num_blocks -= 1
+                    touched.num_unknown += 1
+                    continue
                 if sub:
                     keys.extend(sub.pop(h, (key,)))
                 else:
                     keys.append(key)
         return touched
+
+    def _evict_plain(self, hashes: Sequence[ExternalBlockHash]) -> Touched | None:
+        """:meth:`remove_media` of tiers that cover the usual one, in the common case (an
+        eviction of tracked blocks stored as their key alone, none expanded) at C speed; ``None``,
+        nothing changed, when some block is not such a case."""
+        entries = self._entries
+        found = list(map(entries.get, hashes))
+        # A key alone is exact bytes; an entry of another shape or a miss (None) takes the plain path.
+        if set(map(type, found)) != {bytes} or (
+            self._sub_keys and not self._sub_keys.keys().isdisjoint(hashes)
+        ):
+            return None
+        keys = cast(list[BlockKey], found)
+        popped = list(map(entries.pop, hashes, repeat(None)))
+        if None in popped:
+            # A hash named twice: its later mentions find nothing, as one by one they would.
+            keys = list(compress(keys, map(operator.is_not, popped, repeat(None))))
+        return Touched(keys, [], len(keys), len(hashes) - len(keys))
 
     def adopt(self, source: PodBlocks, hashes: Iterable[ExternalBlockHash]) -> Touched:
         """Track ``source``'s blocks ``hashes`` here too, under the same engine hashes, in this
