@@ -13,9 +13,11 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvmesh.core.events import BlockRemoved
 from kvmesh.core.hashing import KEY_BYTES, BlockHasher, HashAlgo, Namespace, tokens_to_bytes
-from kvmesh.core.types import BlockKey, PodId
+from kvmesh.core.types import BlockKey, Medium, PodId
 from kvmesh.router.index import ALL_MEDIA, InMemoryIndex, MediumSet
+from kvmesh.router.ingest import event_medium
 from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.pod_blocks import PodBlocks, Touched
 
@@ -159,3 +161,19 @@ def test_memo_from_digest_inputs_matches_the_memo_from_tokens(tokens, block_size
     from_inputs.remember_inputs(inputs, keys)
     assert list(from_tokens._keys.items()) == list(from_inputs._keys.items())
     assert from_tokens.num_evicted == from_inputs.num_evicted
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    medium=st.one_of(
+        st.none(),
+        st.sampled_from(["GPU", "gpu", "CPU", "cpu_pinned", "DISK", "STORAGE", "LMCACHE", ""]),
+        st.text(),
+    ),
+    locality=st.sampled_from([None, "LOCAL", "remote"]),
+)
+def test_the_parsed_media_cache_answers_as_parsing_does(medium, locality):
+    event = BlockRemoved([1], medium=medium, locality=locality)
+    expected = Medium.SHARED if locality == "remote" else Medium.parse(medium)
+    assert event_medium(event) == expected
+    assert event_medium(event) == expected  # the second time from the cache, if kept
