@@ -78,8 +78,10 @@ def sent_prompts(engine: FakeEngine) -> list[int]:
 async def test_saturated_requests_wait_for_a_first_token_then_go(engines):
     (e,) = await engines(1)
     e.prefill_gate = asyncio.Event()
-    # each 160-token prompt is 0.02 s at the prior 8000 tokens/s: the third one would wait 0.06 s
-    flow = {"maxPredictedTtftSeconds": 0.05, "requireLearnedSpeed": False}
+    # each 160-token prompt is 0.02 s at the prior 8000 tokens/s, and the cached tokens the new one
+    # would evict add half its own (the default's evictWeight 0.5): the second is predicted at
+    # 0.02 + 0.01 + 0.02 = 0.05 s, the third at 0.04 + 0.01 + 0.02 = 0.07 s
+    flow = {"maxPredictedTtftSeconds": 0.06, "requireLearnedSpeed": False}
     async with gateway([e], flow, policy="precise") as (gw, client):
         first = [asyncio.ensure_future(post(client, i)) for i in range(2)]
         await wait_for(lambda: len(e.received) == 2)
