@@ -15,7 +15,8 @@ background loops then run per pool:
   (``vllm:gpu_cache_usage_perc`` on older vLLM), summed over label sets, and LoRA adapters
   (``vllm:lora_requests_info``; see :mod:`kvmesh.router.lora_state`). An endpoint that reports
   adapters has its ``GET /v1/models`` read when it runs one not listed yet, and every
-  ``MODELS_REFRESH_S`` s, for the adapters it can serve.
+  ``MODELS_REFRESH_S`` s, for the adapters it can serve. A vLLM endpoint's KV capacity comes from
+  ``vllm:cache_config_info`` (:mod:`kvmesh.router.cache_config`) unless ``/kvmesh/info`` gave one.
 
 The pool mutates endpoint state only on the event loop; :meth:`EndpointPool.states` hands the
 scheduler the live records without copying.
@@ -39,6 +40,7 @@ from kvmesh.core.tasks import cancel_and_wait
 from kvmesh.core.tenancy import Role
 from kvmesh.core.types import PodId
 from kvmesh.errors import ConfigError
+from kvmesh.router.cache_config import CacheConfigWatch
 from kvmesh.router.idle_backoff import IdleBackoff
 from kvmesh.router.lora_state import LoraState, adapters_of_models, parse_lora_info
 from kvmesh.router.types import EndpointState
@@ -104,6 +106,8 @@ class Endpoint:
     models: list[dict[str, Any]] = field(default_factory=list)
     """The ``data`` entries of its last ``/v1/models`` answer (read only for LoRA endpoints)."""
     models_read_at: float = -math.inf
+    cache_config: CacheConfigWatch | None = None
+    """Its KV capacity from ``vllm:cache_config_info`` (made at the first scrape)."""
 
 
 def normalize_url(url: str) -> PodId:
@@ -360,6 +364,8 @@ class EndpointPool:
             return
         endpoint.info = info
         endpoint.state.kv_bytes_per_token = info.kv_bytes_per_token
+        if info.kv_capacity_tokens > 0:
+            endpoint.state.kv_capacity_tokens = info.kv_capacity_tokens
         if endpoint.config.role is None and info.role in ("both", "prefill", "decode"):
             endpoint.state.role = Role.parse(info.role)
         events = _reachable(info.events_endpoint, pod)
@@ -401,6 +407,10 @@ class EndpointPool:
             if name in gauges:
                 state.kv_cache_usage = min(max(gauges[name], 0.0), 1.0)
                 break
+        if endpoint.info is None or endpoint.info.kv_capacity_tokens <= 0:
+            if endpoint.cache_config is None:
+                endpoint.cache_config = CacheConfigWatch(state.pod)
+            state.kv_capacity_tokens = endpoint.cache_config.read(text)
         lora = parse_lora_info(text)
         if lora is not None:
             await self._update_lora(endpoint, lora)

@@ -43,7 +43,8 @@ class EndpointState:
             when it is not learned, when scorers use their configured value.
         kv_bytes_per_token: KV bytes per token the engine reports (``/kvmesh/info``); 0 unknown,
             when scorers use their configured value.
-        kv_capacity_tokens: device KV tokens the engine holds (``/kvmesh/info``); 0 unknown.
+        kv_capacity_tokens: device KV tokens the engine holds (``/kvmesh/info``, else vLLM's
+            ``vllm:cache_config_info``); 0 unknown.
         lora: the endpoint's LoRA adapters (``vllm:lora_requests_info``, ``/v1/models``); ``None``
             when it reports none.
     """
