@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 
 from kvmesh.core.net import free_port
 from kvmesh.core.types import PodId
@@ -273,6 +274,8 @@ async def test_gateway_scheduler_sees_a_vllm_endpoints_capacity():
                 break
             await asyncio.sleep(0.05)
         assert [(s.pod, s.kv_capacity_tokens) for s in states] == [(vllm.url, VLLM_CPU_CAPACITY)]
+        exported = generate_latest(gateway.metrics.registry).decode()
+        assert f'kvmesh_router_endpoint_kv_capacity_tokens{{endpoint="{vllm.url}"}} 23296.0' in exported
     finally:
         await gateway.aclose()
         await vllm.stop()
