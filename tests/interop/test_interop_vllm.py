@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -131,6 +132,22 @@ def admin_index(router_url: str) -> dict[str, Any]:
     return body
 
 
+def admin_endpoints(router_url: str) -> list[dict[str, Any]]:
+    req = urllib.request.Request(
+        f"{router_url}/admin/endpoints", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        endpoints: list[dict[str, Any]] = json.loads(resp.read())["endpoints"]
+    return endpoints
+
+
+def logged_kv_capacity(server: LiveVllm) -> int:
+    """The KV capacity in tokens vLLM logged at startup ("CPU KV cache size: 23,296 tokens")."""
+    found = re.search(r"KV cache size: ([\d,]+) tokens", server.proc.log_path.read_text())
+    assert found is not None, server.proc.log_tail(40)
+    return int(found.group(1).replace(",", ""))
+
+
 def start_router(config: Path, log: Path, port: int) -> ManagedProcess:
     proc = ManagedProcess("router", kvmesh_command("router", "--config", str(config)), log)
     proc.start()
@@ -216,6 +233,10 @@ def test_router_routes_repeats_to_the_holder_and_beats_round_robin(
     body = admin_index(router["url"])
     assert body["ingest"]["num_blocks_stored"] > 0
     assert {pod["block_size"] for pod in body["pods"].values() if pod.get("block_size")} == {128}
+    # each vLLM's KV capacity, read from its vllm:cache_config_info, is what it logged at startup
+    logged = {s.url: logged_kv_capacity(s) for s in vllm_pair}
+    assert all(tokens > 0 for tokens in logged.values()), logged
+    assert {e["pod"]: e["kv_capacity_tokens"] for e in admin_endpoints(router["url"])} == logged
     router["holders"] = holders
 
 
