@@ -320,8 +320,9 @@ def test_known_prefixes_stay_within_their_character_budget(tokenizer):
     assert reuse.num_learnt == 10
     assert reuse.longest_known(docs[0] + " more", True) is None  # the oldest left
     known = reuse.longest_known(docs[-1] + " more", True)
-    assert known is not None and known == (len(docs[-1]), tokenizer.encode_piece(docs[-1], True))
-    kept = sum(len(p) for prefixes, _ in reuse._groups.values() for p, _ in prefixes)
+    assert known is not None and known.text == docs[-1]
+    assert known.array.tolist() == tokenizer.encode_piece(docs[-1], True)
+    kept = sum(len(p.text) for prefixes, _ in reuse._groups.values() for p in prefixes)
     assert kept == reuse._chars <= 3000
 
 

@@ -29,6 +29,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvmesh.core.agent_apis import PromptApi, chat_input
 from kvmesh.core.hashing import as_token_array
 from kvmesh.errors import TierUnavailableError
@@ -49,6 +51,8 @@ _THREAD_MIN_CHARS = 4096
 
 _MAX_CUT_TRIES = 256
 """Spaces tried backwards for a valid cut before the rest is tokenized in one piece."""
+
+_NO_IDS = as_token_array([])
 
 
 @dataclass(slots=True)
@@ -143,8 +147,9 @@ async def tokenize_until_miss(
     """Tokenize ``prompt`` piece by piece until the index's match falls short of it.
 
     Sets ``routing.tokens`` to the ids tokenized (the leading ids of a full encode, the first
-    block no cache holds included) and ``routing.num_prompt_tokens`` to the estimated length of
-    the whole prompt (``None`` when it was tokenized to its end).
+    block no cache holds included), ``routing.num_prompt_tokens`` to the estimated length of
+    the whole prompt (``None`` when it was tokenized to its end) and ``routing.known_prefix`` to
+    the learnt prefix the ids start with.
 
     Args:
         prompt: the prompt's text.
@@ -162,30 +167,33 @@ async def tokenize_until_miss(
     text = prompt.text
     reuse = prompt.tokenizer.prefixes
     known = None if reuse is None else reuse.longest_known(text, prompt.add_special_tokens)
-    if reuse is not None and len(text) - (0 if known is None else known[0]) > first_piece_chars:
+    if reuse is not None and len(text) - (0 if known is None else len(known.text)) > first_piece_chars:
         # A start shared with recent prompts (a system prompt no cache holds yet) is tokenized
         # once, here, and reused by every later prompt with it.
         known = (
             await asyncio.to_thread(
-                reuse.learn_shared, text, prompt.add_special_tokens, 0 if known is None else known[0]
+                reuse.learn_shared, text, prompt.add_special_tokens, 0 if known is None else len(known.text)
             )
             or known
         )
-    start, ids = (0, []) if known is None else known  # never mutated: known ids stay shared
+    # The known prefix's ids are packed once, when it was learnt: only the pieces are converted.
+    start, ids = (0, _NO_IDS) if known is None else (len(known.text), known.array)
+    routing.known_prefix = known
     cuts: list[tuple[int, int]] = []  # (characters, ids) at each piece's end
     size = first_piece_chars
     while True:
         cut = next_cut(text, start, start + size)
         special = prompt.add_special_tokens and start == 0
         piece = text[start:cut]
-        ids = ids + (
+        piece_ids = as_token_array(
             prompt.tokenizer.encode_piece(piece, special)
             if len(piece) < _THREAD_MIN_CHARS
             else await asyncio.to_thread(prompt.tokenizer.encode_piece, piece, special)
         )
+        ids = np.concatenate((ids, piece_ids)) if len(ids) else piece_ids
         start, size = cut, size * 2
         cuts.append((start, len(ids)))
-        routing.tokens = as_token_array(ids)
+        routing.tokens = ids
         routing.num_prompt_tokens = (
             None if start >= len(text) else len(ids) + round((len(text) - start) * len(ids) / start)
         )

@@ -29,7 +29,13 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
+
+from kvmesh.core.hashing import as_token_array
+from kvmesh.router.known_prefix import KnownPrefix, PromptIds, join_ids
 
 _MAX_PER_KEY = 4
 
@@ -63,16 +69,17 @@ def _common_length(a: str, b: str) -> int:
     return n
 
 
-def _longest_of(prefixes: list[tuple[str, list[int]]], text: str) -> tuple[str, list[int]] | None:
-    best: tuple[str, list[int]] | None = None
-    for prefix, ids in prefixes:
+def _longest_of(prefixes: list[KnownPrefix], text: str) -> KnownPrefix | None:
+    best: KnownPrefix | None = None
+    for known in prefixes:
+        prefix = known.text
         if (
             len(prefix) < len(text)
             and text[len(prefix)] == " "  # the cut must be valid in this prompt too
             and text.startswith(prefix)
-            and (best is None or len(prefix) > len(best[0]))
+            and (best is None or len(prefix) > len(best.text))
         ):
-            best = (prefix, ids)
+            best = known
     return best
 
 
@@ -105,10 +112,8 @@ class PrefixReuse:
         self.max_keys = max_keys
         self.max_chars = max_chars
         self._chars = 0
-        # (special, first key_chars) -> (prefixes: [(text, ids)], recent prompts)
-        self._groups: OrderedDict[tuple[bool, str], tuple[list[tuple[str, list[int]]], list[str]]] = (
-            OrderedDict()
-        )
+        # (special, first key_chars) -> (prefixes, recent prompts)
+        self._groups: OrderedDict[tuple[bool, str], tuple[list[KnownPrefix], list[str]]] = OrderedDict()
         self._lock = threading.Lock()
         self.num_reused = 0
         self.num_learnt = 0
@@ -142,8 +147,26 @@ class PrefixReuse:
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """The ids of ``text``, equal to a full ``encode`` of it."""
+        found = self.encode_ids(text, add_special_tokens)
+        assert found is not None, "encode_ids without max_chars always tokenizes"
+        return found.array.tolist()
+
+    def encode_ids(
+        self, text: str, add_special_tokens: bool, max_chars: int | None = None
+    ) -> PromptIds | None:
+        """The ids of ``text`` packed as u32 (equal to a full ``encode`` of it), with the learnt
+        prefix they start with.
+
+        Args:
+            text: the text.
+            add_special_tokens: whether the tokenizer adds its special tokens in front.
+            max_chars: tokenize at most this many characters (after a learnt prefix); ``None``
+                when more would be needed (``None``: no limit).
+        """
         if len(text) <= self.min_chars:
-            return self._full(text, add_special_tokens)
+            if max_chars is not None and len(text) > max_chars:
+                return None
+            return PromptIds(as_token_array(self._full(text, add_special_tokens)))
         key = (add_special_tokens, text[: self.key_chars])
         with self._lock:
             group = self._groups.get(key)
@@ -154,18 +177,18 @@ class PrefixReuse:
                 prefixes, recent = [], []
         best = _longest_of(prefixes, text)
         if best is not None:
+            if max_chars is not None and len(text) - len(best.text) > max_chars:
+                return None
             self.num_reused += 1
-            return best[1] + self._full(text[len(best[0]) :], False)
+            return join_ids(best, self._full(text[len(best.text) :], False))
+        if max_chars is not None and len(text) > max_chars:
+            return None
         ids = self._full(text, add_special_tokens)
         self._maybe_learn(key, text, ids, recent)
-        return ids
+        return PromptIds(as_token_array(ids))
 
-    def longest_known(self, text: str, add_special_tokens: bool) -> tuple[int, list[int]] | None:
-        """The longest learnt prefix of ``text`` that ends at a valid cut in it.
-
-        Returns:
-            Its length in characters and its ids, or ``None``.
-        """
+    def longest_known(self, text: str, add_special_tokens: bool) -> KnownPrefix | None:
+        """The longest learnt prefix of ``text`` that ends at a valid cut in it (``None``: none)."""
         key = (add_special_tokens, text[: self.key_chars])
         with self._lock:
             group = self._groups.get(key)
@@ -174,21 +197,18 @@ class PrefixReuse:
             self._groups.move_to_end(key)
             prefixes = group[0][:]
         best = _longest_of(prefixes, text)
-        if best is None:
-            return None
-        self.num_reused += 1
-        return len(best[0]), best[1]
+        if best is not None:
+            self.num_reused += 1
+        return best
 
-    def learn_shared(
-        self, text: str, add_special_tokens: bool, known_chars: int = 0
-    ) -> tuple[int, list[int]] | None:
+    def learn_shared(self, text: str, add_special_tokens: bool, known_chars: int = 0) -> KnownPrefix | None:
         """Learn the longest part ``text`` shares with a recent prompt of its group, for a prompt
         that will not be tokenized in full (:mod:`kvmesh.router.first_miss`): that part, cut back
         to a valid boundary, is tokenized and kept when longer than ``known_chars``; otherwise
         ``text`` joins the recent prompts.
 
         Returns:
-            The learnt prefix's length in characters and its ids, or ``None``.
+            The learnt prefix, or ``None``.
         """
         if len(text) <= self.min_chars:
             return None
@@ -202,16 +222,14 @@ class PrefixReuse:
                 cut = text.rfind(" ", 0, cut)
             if cut <= known_chars or cut < self.min_chars:
                 continue
-            ids = self._full(text[:cut], add_special_tokens)
+            learnt = KnownPrefix(text[:cut], self._full(text[:cut], add_special_tokens))
             with self._lock:
-                if self._add_locked(key, text[:cut], ids):
-                    self.num_learnt += 1
-            return cut, ids
+                return self._add_locked(key, learnt)
         with self._lock:
-            self._add_locked(key, None, None, recent=text)
+            self._add_locked(key, None, recent=text)
         return None
 
-    def remember(self, prefix: str, ids: list[int], add_special_tokens: bool) -> None:
+    def remember(self, prefix: str, ids: Sequence[int] | np.ndarray, add_special_tokens: bool) -> None:
         """Keep ``prefix`` with its ids, composed from pieces cut at valid boundaries (the ids
         of a full encode, by the argument above), so later prompts that start with it skip it.
         Prefixes shorter than ``min_chars`` are not kept."""
@@ -219,14 +237,13 @@ class PrefixReuse:
             return
         key = (add_special_tokens, prefix[: self.key_chars])
         with self._lock:
-            if self._add_locked(key, prefix, ids):
-                self.num_learnt += 1
+            self._add_locked(key, KnownPrefix(prefix, ids))
 
     def _full(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def _maybe_learn(self, key: tuple[bool, str], text: str, ids: list[int], recent: list[str]) -> None:
-        learnt: tuple[str, list[int]] | None = None
+        learnt: KnownPrefix | None = None
         for other in recent:
             cut = _common_length(text, other)
             while cut >= self.min_chars and not valid_cut(text, cut):
@@ -239,37 +256,42 @@ class PrefixReuse:
             if prefix_ids + self._full(text[cut:], False) != ids:
                 self.num_rejected += 1
                 continue
-            learnt = (prefix, prefix_ids)
-            self.num_learnt += 1
+            learnt = KnownPrefix(prefix, prefix_ids)
             break
         with self._lock:
             if learnt is not None:
-                self._add_locked(key, *learnt)
+                self._add_locked(key, learnt)
             else:
-                self._add_locked(key, None, None, recent=text)
+                self._add_locked(key, None, recent=text)
 
     def _add_locked(
-        self, key: tuple[bool, str], prefix: str | None, ids: list[int] | None, recent: str | None = None
-    ) -> bool:
+        self, key: tuple[bool, str], known: KnownPrefix | None, recent: str | None = None
+    ) -> KnownPrefix | None:
         """Add a prefix (or, without one, a recent prompt) to ``key``'s group, then leave the
-        limits; returns whether a new prefix was added. Holds ``_lock``."""
+        limits. Holds ``_lock``.
+
+        Returns:
+            The group's prefix with ``known``'s text: ``known`` when it is new (counted as
+            learnt), else the one kept before it (its keys already computed); ``None`` without one.
+        """
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = ([], [])
         self._groups.move_to_end(key)
         prefixes, recent_list = group
-        added = False
-        if prefix is not None and ids is not None:
-            if all(p != prefix for p, _ in prefixes):
-                prefixes.append((prefix, ids))
-                self._chars += len(prefix) - sum(len(p) for p, _ in prefixes[:-_MAX_PER_KEY])
-                del prefixes[:-_MAX_PER_KEY]
-                added = True
+        if known is not None:
+            kept = next((p for p in prefixes if p.text == known.text), None)
+            if kept is not None:
+                return kept
+            prefixes.append(known)
+            self.num_learnt += 1
+            self._chars += len(known.text) - sum(len(p.text) for p in prefixes[:-_MAX_PER_KEY])
+            del prefixes[:-_MAX_PER_KEY]
         elif recent is not None:
             recent_list.append(recent)
             self._chars += len(recent) - sum(len(r) for r in recent_list[:-_MAX_PER_KEY])
             del recent_list[:-_MAX_PER_KEY]
         while len(self._groups) > 1 and (len(self._groups) > self.max_keys or self._chars > self.max_chars):
             _, (old_prefixes, old_recent) = self._groups.popitem(last=False)
-            self._chars -= sum(len(p) for p, _ in old_prefixes) + sum(len(r) for r in old_recent)
-        return added
+            self._chars -= sum(len(p.text) for p in old_prefixes) + sum(len(r) for r in old_recent)
+        return known

@@ -27,14 +27,16 @@ from kvmesh.core.pins import check_pin_ttl, requested_pin_ttl, with_pin_ttl
 from kvmesh.core.tenancy import CACHE_SALT_FIELD, SESSION_HEADER, resolve_tenant
 from kvmesh.errors import RequestError
 from kvmesh.router.first_miss import DEFAULT_MIN_CHARS, LongPrompt, long_prompt
-from kvmesh.router.tokenize import PromptTokenizer
+from kvmesh.router.known_prefix import PromptIds
+from kvmesh.router.tokenize import CachedTokenizer, PromptTokenizer
 from kvmesh.router.types import RoutingRequest
 
 DEFAULT_MAX_PIN_TTL_S = 86400.0
 """The longest pin a request may ask for unless the router's config says otherwise (one day)."""
 
-_Tokens = np.ndarray | Callable[[], list[int]]
-"""Prompt ids already converted, or a call that tokenizes the prompt's text."""
+_Tokens = np.ndarray | Callable[[int | None], PromptIds | None]
+"""Prompt ids already converted, or a call that tokenizes the prompt's text: given a number of
+characters, it returns ``None`` instead of tokenizing more than that (``None``: no limit)."""
 
 
 @dataclass(slots=True)
@@ -65,7 +67,9 @@ class RequestParser:
 
     Args:
         tokenizer: text and chat tokenizer (``None``: text prompts are routed by load only).
-        tokenize_thread_min_chars: text at least this long is tokenized on a worker thread.
+        tokenize_thread_min_chars: a prompt with at least this many characters left to tokenize
+            (after what the tokenizer's caches and learnt prefixes provide) is tokenized on a
+            worker thread; the rest inline, without the thread's hand-offs.
         max_pin_ttl_s: the longest pin a request may ask for.
         first_miss_min_chars: text at least this long may be left to
             :func:`~kvmesh.router.first_miss.tokenize_until_miss` (``parse(until_first_miss=True)``).
@@ -126,18 +130,20 @@ class RequestParser:
             and not isinstance(pending, np.ndarray)
             and _is_long(body, self.first_miss_min_chars)
         ):
-            long = await asyncio.to_thread(
-                long_prompt, self.tokenizer, api, body, min_chars=self.first_miss_min_chars
-            )
+            # Inline: a chat's rendering is Python code, which holds the GIL on any thread.
+            long = long_prompt(self.tokenizer, api, body, min_chars=self.first_miss_min_chars)
+        known = None
         if long is not None:
             tokens = _NO_TOKENS
         elif isinstance(pending, np.ndarray):
             tokens = pending
-        elif _is_long(body, self.tokenize_thread_min_chars):
-            # The tokenizer releases the GIL: text prompts use another core meanwhile.
-            tokens = as_token_array(await asyncio.to_thread(pending))
         else:
-            tokens = as_token_array(pending())
+            ids = pending(self.tokenize_thread_min_chars - 1)
+            if ids is None:
+                # The tokenizer releases the GIL: long texts use another core meanwhile.
+                ids = await asyncio.to_thread(pending, None)
+                assert ids is not None, "a prompt's ids without a limit are never None"
+            tokens, known = ids.array, ids.known
         rewrite = False
         if tenant and body.get(CACHE_SALT_FIELD) != tenant:
             body[CACHE_SALT_FIELD] = tenant
@@ -153,6 +159,7 @@ class RequestParser:
             tokens=tokens,
             namespace=Namespace(model or str(body.get("model") or ""), revision or "", "", tenant),
             session_id=headers.get(SESSION_HEADER),
+            known_prefix=known,
         )
         return ParsedRequest(body, raw, tenant, routing, pin_ttl_s, long)
 
@@ -182,7 +189,7 @@ class RequestParser:
         if api is PromptApi.RESPONSES or api is PromptApi.MESSAGES:
             return body, self._agent_tokens(api, body)
         if api is PromptApi.CHAT:
-            return body, self._chat_tokens(body.get("messages"))
+            return body, self._chat_tokens(body)
         return body, self._prompt_tokens(body.get("prompt", None), "prompt" in body)
 
     def _prompt_tokens(self, prompt: Any, present: bool) -> _Tokens:
@@ -194,7 +201,15 @@ class RequestParser:
             if not prompt:
                 raise RequestError("'prompt' must not be empty", param="prompt")
             tokenizer = self.tokenizer
-            return _NO_TOKENS if tokenizer is None else lambda: tokenizer.encode(prompt)
+            if tokenizer is None:
+                return _NO_TOKENS
+            if isinstance(tokenizer, CachedTokenizer):
+                return lambda max_chars: tokenizer.encode_ids(prompt, max_chars=max_chars)
+            return lambda max_chars: (
+                None
+                if max_chars is not None and len(prompt) > max_chars
+                else PromptIds(as_token_array(tokenizer.encode(prompt)))
+            )
         if isinstance(prompt, list):
             if not prompt:
                 raise RequestError("'prompt' must not be empty", param="prompt")
@@ -209,7 +224,8 @@ class RequestParser:
             f"'prompt' must be a string or a list of token ids, got {type(prompt).__name__}", param="prompt"
         )
 
-    def _chat_tokens(self, messages: Any) -> _Tokens:
+    def _chat_tokens(self, body: dict[str, Any]) -> _Tokens:
+        messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("'messages' must be a non-empty list", param="messages")
         for i, message in enumerate(messages):
@@ -220,18 +236,24 @@ class RequestParser:
                 raise RequestError(
                     f"messages[{i}].content must be a string or a list of parts", param="messages"
                 )
-        tokenizer = self.tokenizer
-        if tokenizer is None:
-            return _NO_TOKENS
-        return lambda: tokenizer.apply_chat_template(messages)
+        return self._chat_ids(body, messages, None)
 
     def _agent_tokens(self, api: PromptApi, body: dict[str, Any]) -> _Tokens:
         converted = chat_input(api, body)
+        return self._chat_ids(body, converted.messages, converted.tools)
+
+    def _chat_ids(self, body: dict[str, Any], messages: Any, tools: Any) -> _Tokens:
         tokenizer = self.tokenizer
         if tokenizer is None:
             return _NO_TOKENS
-        tools: dict[str, Any] = {"tools": converted.tools} if converted.tools else {}
-        return lambda: tokenizer.apply_chat_template(converted.messages, **tools)
+        if isinstance(tokenizer, CachedTokenizer):
+            return lambda max_chars: tokenizer.chat_ids(messages, tools=tools, max_chars=max_chars)
+        extra: dict[str, Any] = {"tools": tools} if tools else {}
+        return lambda max_chars: (
+            None
+            if max_chars is not None and _is_long(body, max_chars + 1)
+            else PromptIds(as_token_array(tokenizer.apply_chat_template(messages, **extra)))
+        )
 
 
 _NO_TOKENS = as_token_array([])

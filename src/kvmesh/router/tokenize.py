@@ -12,7 +12,10 @@ The gateway must hash exactly the ids the engine will cache, so nothing here app
   rendering the template). Tokenization is a pure function of these inputs, so a hit returns
   what a fresh call would; a prompt that differs by one character is a different key.
 
-Callers get the cached list itself and must not mutate it.
+``encode_ids`` and ``chat_ids`` give the ids packed as one u32 array (what routing hashes) with
+the learnt prefix they start with, and tokenize inline only up to a limit, so a caller can send
+long work to a thread and do the rest (cache hits, a short question after a learnt system
+prompt) without one. Callers get cached arrays themselves and must not mutate them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
+from kvmesh.core.hashing import as_token_array
+from kvmesh.router.known_prefix import PromptIds
 from kvmesh.router.prefix_tokens import PrefixReuse
 
 DEFAULT_CACHE_ENTRIES = 4096
@@ -85,7 +90,7 @@ class CachedTokenizer:
         self.prefixes: PrefixReuse | None = (
             PrefixReuse(self._backend) if prefix_reuse and self.composes else None
         )
-        self._cache: OrderedDict[tuple[int, str | bytes], list[int]] = OrderedDict()
+        self._cache: OrderedDict[tuple[int, str | bytes], PromptIds] = OrderedDict()
         self._lock = threading.Lock()
         self.cache_entries = cache_entries
         self.cache_max_chars = cache_max_chars
@@ -94,10 +99,27 @@ class CachedTokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a completion prompt (same as the wrapped tokenizer's ``encode``)."""
+        found = self.encode_ids(text, add_special_tokens=add_special_tokens)
+        assert found is not None, "encode_ids without max_chars always tokenizes"
+        return found.array.tolist()
+
+    def encode_ids(
+        self, text: str, *, add_special_tokens: bool = True, max_chars: int | None = None
+    ) -> PromptIds | None:
+        """:meth:`encode`'s ids packed as u32, with the learnt prefix they start with.
+
+        Args:
+            text: the prompt.
+            add_special_tokens: whether the tokenizer adds its special tokens in front.
+            max_chars: tokenize at most this many characters here (what a cache hit or a learnt
+                prefix provides is not counted); ``None`` when more would be needed.
+        """
         key = (int(add_special_tokens), text)
         ids = self._lookup(key, len(text))
         if ids is None:
-            ids = self._encode(text, add_special_tokens)
+            ids = self._encode(text, add_special_tokens, max_chars)
+            if ids is None:
+                return None
             self._store(key, len(text), ids)
         return ids
 
@@ -107,6 +129,21 @@ class CachedTokenizer:
         """Token ids of a chat (same as the wrapped tokenizer's ``apply_chat_template``); ``tools``
         (OpenAI function tools) are handed to the chat template only when there are some, so
         tokenizers that take no tools serve tool-free chats."""
+        found = self.chat_ids(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        assert found is not None, "chat_ids without max_chars always tokenizes"
+        return found.array.tolist()
+
+    def chat_ids(
+        self,
+        messages: Any,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Any = None,
+        max_chars: int | None = None,
+    ) -> PromptIds | None:
+        """:meth:`apply_chat_template`'s ids packed as u32, with the learnt prefix they start with;
+        ``None`` when more than ``max_chars`` characters of the rendered chat would be tokenized
+        (without a fast tokenizer: when its JSON form is longer)."""
         try:
             raw = msgspec.json.encode([messages, tools] if tools else messages)
         except (TypeError, msgspec.EncodeError):
@@ -122,12 +159,20 @@ class CachedTokenizer:
                     add_generation_prompt=add_generation_prompt,
                     **({"tools": tools} if tools else {}),
                 )
-                ids = self._encode(text, False)
+                ids = self._encode(text, False, max_chars)
+                if ids is None:
+                    return None
             else:
-                ids = self.inner.apply_chat_template(
-                    messages,
-                    add_generation_prompt=add_generation_prompt,
-                    **({"tools": tools} if tools else {}),
+                if max_chars is not None and size > max_chars:
+                    return None
+                ids = PromptIds(
+                    as_token_array(
+                        self.inner.apply_chat_template(
+                            messages,
+                            add_generation_prompt=add_generation_prompt,
+                            **({"tools": tools} if tools else {}),
+                        )
+                    )
                 )
             self._store(key, size, ids)
         return ids
@@ -146,14 +191,20 @@ class CachedTokenizer:
             messages, add_generation_prompt=True, **({"tools": tools} if tools else {})
         )
 
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        if self._backend is None:
-            return self.inner.encode(text, add_special_tokens=add_special_tokens)
+    def _encode(self, text: str, add_special_tokens: bool, max_chars: int | None) -> PromptIds | None:
         if self.prefixes is not None:
-            return self.prefixes.encode(text, add_special_tokens)
-        return list(self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
+            return self.prefixes.encode_ids(text, add_special_tokens, max_chars)
+        if max_chars is not None and len(text) > max_chars:
+            return None
+        if self._backend is None:
+            return PromptIds(as_token_array(self.inner.encode(text, add_special_tokens=add_special_tokens)))
+        return PromptIds(
+            as_token_array(
+                self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+            )
+        )
 
-    def _lookup(self, key: tuple[int, str | bytes], size: int) -> list[int] | None:
+    def _lookup(self, key: tuple[int, str | bytes], size: int) -> PromptIds | None:
         if self.cache_entries == 0 or size > self.cache_max_chars:
             return None
         with self._lock:
@@ -165,7 +216,7 @@ class CachedTokenizer:
             self.num_hits += 1
             return ids
 
-    def _store(self, key: tuple[int, str | bytes], size: int, ids: list[int]) -> None:
+    def _store(self, key: tuple[int, str | bytes], size: int, ids: PromptIds) -> None:
         if self.cache_entries == 0 or size > self.cache_max_chars:
             return
         with self._lock:

@@ -15,6 +15,7 @@ import numpy as np
 from kvmesh.core.hashing import Namespace
 from kvmesh.core.tenancy import Role
 from kvmesh.core.types import Medium, PodId
+from kvmesh.router.known_prefix import KnownPrefix
 from kvmesh.router.lora_state import LoraState
 
 PromptTokens: TypeAlias = Sequence[int] | np.ndarray
@@ -136,6 +137,8 @@ class RoutingRequest:
         num_prompt_tokens: the whole prompt's estimated length where ``tokens`` holds only its
             leading ids (a long prompt tokenized up to its first block no cache holds,
             :mod:`kvmesh.router.first_miss`); ``None``: ``tokens`` is the whole prompt.
+        known_prefix: a learnt prefix whose ids lead ``tokens`` (its block keys are computed
+            once, :mod:`kvmesh.router.known_prefix`); ``None``: none known.
     """
 
     request_id: str
@@ -144,6 +147,7 @@ class RoutingRequest:
     session_id: str | None = None
     prefix: PrefixMatch | None = None
     num_prompt_tokens: int | None = None
+    known_prefix: KnownPrefix | None = None
 
     @property
     def num_tokens(self) -> int:

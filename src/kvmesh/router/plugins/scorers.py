@@ -11,6 +11,7 @@ from typing import ClassVar
 from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace
 from kvmesh.core.types import BlockKey, Medium, PodId
 from kvmesh.errors import ConfigError
+from kvmesh.router.known_prefix import prompt_block_keys
 from kvmesh.router.plugins.base import Params, PluginContext, Scorer
 from kvmesh.router.plugins.kv_admission import KVAdmissionPrice
 from kvmesh.router.prefill_ledger import DEFAULT_MAX_CONTEXT_RATIO, prefill_work
@@ -128,7 +129,7 @@ class ApproximatePrefixScorer:
             hasher = self._hashers[request.namespace] = BlockHasher(
                 request.namespace, self.block_size, self.algo
             )
-        keys = hasher.hash_blocks(request.tokens)
+        keys = prompt_block_keys(hasher, request.tokens, request.known_prefix)
         self._last = (request.request_id, keys)
         return keys
 

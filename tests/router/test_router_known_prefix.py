@@ -1,0 +1,188 @@
+"""Learnt prefixes' packed ids and memoised block keys give exactly what the plain paths give:
+the same ids, the same keys, the same history scores; prompts tokenized inline or on a thread
+alike."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace, as_token_array
+from kvmesh.core.tokens import Tokenizer
+from kvmesh.core.types import PodId
+from kvmesh.router.known_prefix import MAX_HASHERS, KnownPrefix, join_ids, prompt_block_keys
+from kvmesh.router.plugins.scorers import ApproximatePrefixScorer
+from kvmesh.router.prefix_tokens import PrefixReuse
+from kvmesh.router.request_parser import RequestParser
+from kvmesh.router.tokenize import CachedTokenizer
+from kvmesh.router.types import EndpointState, RoutingRequest
+
+PODS = [PodId(f"http://p{i}:1") for i in range(3)]
+_SMOLLM2: list[Tokenizer] = []
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Tokenizer:
+    if not _SMOLLM2:
+        _SMOLLM2.append(Tokenizer.load("smollm2"))
+    return _SMOLLM2[0]
+
+
+IDS = st.lists(st.integers(0, 2**32 - 1), max_size=90)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ids=IDS,
+    known_len=st.integers(0, 90),
+    block_size=st.integers(1, 9),
+    algo=st.sampled_from(list(HashAlgo)),
+    tenant=st.sampled_from(["", "t1", "t2"]),
+)
+def test_prompt_keys_with_a_known_prefix_equal_hashing_every_block(ids, known_len, block_size, algo, tenant):
+    known = KnownPrefix("x" * known_len, ids[:known_len])
+    hasher = BlockHasher(Namespace("m", "", "", tenant), block_size, algo)
+    want = hasher.hash_blocks(as_token_array(ids))
+    assert prompt_block_keys(hasher, as_token_array(ids), known) == want
+    assert prompt_block_keys(hasher, ids, known) == want  # memoised the second time
+    assert prompt_block_keys(hasher, ids, None) == want
+    assert join_ids(known, ids[known_len:]).array.tolist() == ids
+
+
+def test_a_prefix_keeps_keys_for_a_bounded_number_of_hashers():
+    known = KnownPrefix("x", list(range(64)))
+    hashers = [BlockHasher(Namespace("m", "", "", f"t{i}"), 4, HashAlgo.XXH3) for i in range(MAX_HASHERS + 3)]
+    for hasher in hashers + hashers[:2]:
+        assert known.block_keys(hasher) == hasher.hash_blocks(as_token_array(list(range(64))))
+    assert len(known._keys) == MAX_HASHERS
+    with pytest.raises(ValueError):
+        known.array[0] = 1  # shared by every request that starts with it
+
+
+PIECES = [
+    " ",
+    "  ",
+    "\n",
+    "a",
+    "Rule",
+    "'s",
+    "12",
+    "!",
+    "é",
+    "中文",
+    "\u00a0",
+    "<|im_end|>",
+    "word",
+    " 42",
+    ":",
+]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.randoms(use_true_random=False), st.integers(0, 40))
+def test_encode_ids_equals_a_full_encode_or_declines_over_its_limit(smollm2, rng, max_chars):
+    tok = CachedTokenizer(smollm2, cache_entries=8)
+    assert tok.composes
+    tok.prefixes = PrefixReuse(smollm2.fast_backend, key_chars=4, min_chars=8)
+    bases = ["Sys " + "".join(rng.choice(PIECES) for _ in range(rng.randrange(8, 40))) for _ in range(2)]
+    for _ in range(20):
+        base = rng.choice(bases)
+        text = base + " " + "".join(rng.choice(PIECES) for _ in range(rng.randrange(0, 8)))
+        special = rng.random() < 0.5
+        full = smollm2.encode(text, add_special_tokens=special)
+        limited = tok.encode_ids(text, add_special_tokens=special, max_chars=max_chars)
+        found = tok.encode_ids(text, add_special_tokens=special)
+        assert found is not None and found.array.tolist() == full
+        if limited is not None:
+            assert limited.array.tolist() == full
+            tokenized = len(text) - (0 if limited.known is None else len(limited.known.text))
+            assert tokenized <= max_chars or (text, special) in _cached(tok)
+        if found.known is not None:
+            assert text.startswith(found.known.text)
+            assert found.array[: len(found.known)].tolist() == found.known.array.tolist()
+    assert tok.prefixes.num_rejected == 0
+
+
+def _cached(tok: CachedTokenizer) -> set[tuple[str, bool]]:
+    return {(text, bool(flag)) for flag, text in tok._cache if isinstance(text, str)}
+
+
+def test_chat_ids_equal_the_chat_template(smollm2):
+    tok = CachedTokenizer(smollm2)
+    system = "You are careful. " + " ".join(f"Rule {i}: cite sources." for i in range(60))
+    for i in range(4):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}?"}]
+        want = smollm2.apply_chat_template(messages)
+        assert tok.chat_ids(messages, max_chars=10_000_000).array.tolist() == want
+        assert tok.apply_chat_template(messages) == want
+
+
+def _history_run(requests: list[tuple[list[int], int]], with_known: bool) -> list[list[float]]:
+    scorer = ApproximatePrefixScorer(block_size=4, capacity=40, beyond_cache=False)
+    endpoints = [EndpointState(pod=p) for p in PODS]
+    prefixes: dict[int, KnownPrefix] = {}
+    out = []
+    for i, (ids, known_len) in enumerate(requests):
+        known = prefixes.setdefault(known_len, KnownPrefix("", ids[:known_len])) if with_known else None
+        if known is not None and known.array.tolist() != ids[:known_len]:
+            known = prefixes[known_len] = KnownPrefix("", ids[:known_len])
+        request = RoutingRequest(f"r{i}", as_token_array(ids), Namespace("m"), known_prefix=known)
+        scores = scorer.score(request, endpoints)
+        out.append(scores)
+        scorer.observe(request, PODS[i % len(PODS)] if not scores or max(scores) == 0 else PODS[0])
+    out.append(sorted((k.hex(), tuple(v)) for k, v in scorer._history.items()))  # type: ignore[arg-type]
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 30), st.integers(0, 40)), min_size=1, max_size=25)
+)
+def test_history_scores_equal_with_and_without_known_prefixes(shape):
+    starts = [[s * 1000 + j for j in range(48)] for s in range(4)]
+    requests = [
+        (starts[start][:cut] + [7_000_000 + n + k for k in range(n % 9)], min(cut, known))
+        for n, (start, known, cut) in enumerate(shape)
+    ]
+    assert _history_run(requests, True) == _history_run(requests, False)
+
+
+def _body(text: str) -> bytes:
+    return json.dumps({"model": "m", "prompt": text}).encode()
+
+
+async def _parse_all(parser: RequestParser, texts: list[str]) -> list[Any]:
+    return [await parser.parse(_body(t), {}, chat=False, model=None, revision=None) for t in texts]
+
+
+def test_prompts_after_a_learnt_start_are_tokenized_inline_and_equal_the_thread_path(smollm2, monkeypatch):
+    rng = random.Random(5)
+    system = "You are assistant #1. " + " ".join(f"Rule {i}: be brief." for i in range(900))  # ~7k tokens
+    texts = [f"{system}\nQuestion {i}: what is {rng.randrange(10**6)} squared?" for i in range(6)]
+    threaded = RequestParser(CachedTokenizer(smollm2), tokenize_thread_min_chars=1)
+    inline = RequestParser(CachedTokenizer(smollm2), tokenize_thread_min_chars=8192)
+    hops: list[Any] = []
+    real_to_thread = asyncio.to_thread
+
+    async def counting_to_thread(func: Any, *args: Any, **kwargs: Any) -> Any:
+        hops.append(func)
+        return await real_to_thread(func, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", counting_to_thread)
+    want = asyncio.run(_parse_all(threaded, texts))
+    assert len(hops) == len(texts)
+    hops.clear()
+    got = asyncio.run(_parse_all(inline, texts))
+    assert len(hops) == 2  # the first two prompts teach the shared start; the rest are inline
+    for a, b, text in zip(want, got, texts, strict=True):
+        assert np.array_equal(a.routing.tokens, b.routing.tokens)
+        assert b.routing.tokens.tolist() == smollm2.encode(text)
+    known = got[-1].routing.known_prefix
+    assert known is not None and known.text.startswith(system) and texts[-1].startswith(known.text)
