@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace, as_token_array
 from kvmesh.core.tokens import Tokenizer
-from kvmesh.core.types import PodId
+from kvmesh.core.types import BlockKey, PodId
 from kvmesh.router.known_prefix import MAX_HASHERS, KnownPrefix, join_ids, prompt_block_keys
 from kvmesh.router.plugins.scorers import ApproximatePrefixScorer
 from kvmesh.router.prefix_tokens import PrefixReuse
@@ -124,32 +125,76 @@ def test_chat_ids_equal_the_chat_template(smollm2):
         assert tok.apply_chat_template(messages) == want
 
 
-def _history_run(requests: list[tuple[list[int], int]], with_known: bool) -> list[list[float]]:
+class _KeyByKeyHistory:
+    """The history scorer's walk and update going key by key, as the scorer first did them."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.history: OrderedDict[BlockKey, dict[PodId, None]] = OrderedDict()
+
+    def score(self, keys: list[BlockKey], endpoints: list[EndpointState]) -> list[float]:
+        if not keys:
+            return [0.0] * len(endpoints)
+        matched: dict[PodId, int] = {}
+        alive: set[PodId] | None = None
+        for depth, key in enumerate(keys):
+            holders = self.history.get(key)
+            if not holders:
+                break
+            alive = set(holders) if alive is None else alive & holders.keys()
+            if not alive:
+                break
+            for pod in alive:
+                matched[pod] = depth + 1
+        return [matched.get(e.pod, 0) / len(keys) for e in endpoints]
+
+    def observe(self, keys: list[BlockKey], pod: PodId) -> None:
+        for key in keys:
+            holders = self.history.get(key)
+            if holders is None:
+                self.history[key] = {pod: None}
+            else:
+                if pod not in holders:
+                    self.history[key] = dict.fromkeys((*holders, pod))
+                self.history.move_to_end(key)
+        while len(self.history) > self.capacity:
+            self.history.popitem(last=False)
+
+
+def _history_run(requests: list[tuple[list[int], int, int]], with_known: bool) -> list[Any]:
     scorer = ApproximatePrefixScorer(block_size=4, capacity=40, beyond_cache=False)
+    reference = _KeyByKeyHistory(capacity=40)
+    hasher = BlockHasher(Namespace("m"), 4, HashAlgo.XXH3)
     endpoints = [EndpointState(pod=p) for p in PODS]
-    prefixes: dict[int, KnownPrefix] = {}
+    prefixes: dict[tuple[int, ...], KnownPrefix] = {}
     out = []
-    for i, (ids, known_len) in enumerate(requests):
-        known = prefixes.setdefault(known_len, KnownPrefix("", ids[:known_len])) if with_known else None
-        if known is not None and known.array.tolist() != ids[:known_len]:
-            known = prefixes[known_len] = KnownPrefix("", ids[:known_len])
+    for i, (ids, known_len, to) in enumerate(requests):
+        head = tuple(ids[:known_len])
+        known = prefixes.setdefault(head, KnownPrefix("", list(head))) if with_known else None
         request = RoutingRequest(f"r{i}", as_token_array(ids), Namespace("m"), known_prefix=known)
         scores = scorer.score(request, endpoints)
+        assert scores == reference.score(hasher.hash_blocks(ids), endpoints)
         out.append(scores)
-        scorer.observe(request, PODS[i % len(PODS)] if not scores or max(scores) == 0 else PODS[0])
-    out.append(sorted((k.hex(), tuple(v)) for k, v in scorer._history.items()))  # type: ignore[arg-type]
+        scorer.observe(request, PODS[to])
+        reference.observe(hasher.hash_blocks(ids), PODS[to])
+        got = [(k, list(v)) for k, v in scorer._history.items()]
+        assert got == [(k, list(v)) for k, v in reference.history.items()]  # same keys, order, holders
     return out
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
-    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 30), st.integers(0, 40)), min_size=1, max_size=25)
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 30), st.integers(0, 40), st.integers(0, 2)),
+        min_size=1,
+        max_size=25,
+    )
 )
-def test_history_scores_equal_with_and_without_known_prefixes(shape):
+def test_history_scores_and_lru_equal_going_key_by_key_with_or_without_known_prefixes(shape):
     starts = [[s * 1000 + j for j in range(48)] for s in range(4)]
     requests = [
-        (starts[start][:cut] + [7_000_000 + n + k for k in range(n % 9)], min(cut, known))
-        for n, (start, known, cut) in enumerate(shape)
+        (starts[start][:cut] + [7_000_000 + n + k for k in range(n % 9)], min(cut, known), to)
+        for n, (start, known, cut, to) in enumerate(shape)
     ]
     assert _history_run(requests, True) == _history_run(requests, False)
 

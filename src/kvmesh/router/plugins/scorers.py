@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 import random
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -74,6 +76,10 @@ class PrecisePrefixScorer:
         ]
 
 
+_FIRST = operator.itemgetter(0)
+_SECOND = operator.itemgetter(1)
+
+
 @dataclass(slots=True)
 class ApproximatePrefixScorer:
     """Prefix share predicted from the router's own routing history (no KV events needed).
@@ -139,18 +145,20 @@ class ApproximatePrefixScorer:
         keys = self._keys(request)
         if not keys:
             return [0.0] * len(endpoints)
-        history = self._history
         matched: dict[PodId, int] = {}
         alive: set[PodId] | None = None
-        for depth, key in enumerate(keys):
-            holders = history.get(key)
+        depth = 0
+        # Consecutive blocks mostly share one holder map: a run of equal maps leaves the pods
+        # alive as they are, so the walk goes run by run (a long prompt has a few, not thousands).
+        for holders, run in itertools.groupby(map(self._history.get, keys)):
             if not holders:
                 break
             alive = set(holders) if alive is None else alive & holders.keys()
             if not alive:
                 break
+            depth += len(list(run))
             for pod in alive:
-                matched[pod] = depth + 1
+                matched[pod] = depth
         total = len(keys)
         cached = self._cached_blocks(request)
         return [max(matched.get(e.pod, 0) - cached, 0.0) / total for e in endpoints]
@@ -159,15 +167,17 @@ class ApproximatePrefixScorer:
         if self._cached_whole(request):
             return
         history = self._history
-        only = self._holder_map((pod,))
-        for key in self._keys(request):
-            holders = history.get(key)
+        keys = self._keys(request)
+        # Every key ends up last in the LRU, in prompt order, whether it is new, gains ``pod`` or
+        # had it: set the values that change (runs of equal maps at once), then move every key in
+        # order. The order and values are those of going key by key.
+        for holders, run in itertools.groupby(zip(map(history.get, keys), keys, strict=True), _FIRST):
             if holders is None:
-                history[key] = only
-            else:
-                if pod not in holders:
-                    history[key] = self._holder_map((*holders, pod))
-                history.move_to_end(key)
+                history.update(zip(map(_SECOND, run), itertools.repeat(self._holder_map((pod,)))))
+            elif pod not in holders:
+                merged = self._holder_map((*holders, pod))
+                history.update(zip(map(_SECOND, run), itertools.repeat(merged)))
+        deque(map(history.move_to_end, keys), maxlen=0)
         while len(history) > self.capacity:
             history.popitem(last=False)
 
