@@ -62,7 +62,8 @@ class IndexConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     threads share them; a caller that finds all busy waits up to 2 s for one)."""
     max_blocks_per_pod: int = 1_000_000
     key_memo_capacity: int = 262_144
-    """Block keys remembered from event tokens so matching skips re-hashing them (0: off)."""
+    """Block keys remembered from event tokens so matching skips re-hashing them (0: off); kept
+    with ``hashAlgo: sha256`` only (an xxh3 digest costs what a probe does)."""
 
 
 class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):

@@ -55,7 +55,7 @@ from kvmesh.router.flow_gate import QUEUE_WAIT_HEADER, FlowGate, parse_flow_head
 from kvmesh.router.index import BlockIndex, InMemoryIndex, InstrumentedIndex
 from kvmesh.router.ingest import EventApplier
 from kvmesh.router.intake import EventIntake
-from kvmesh.router.keymemo import BlockKeyMemo
+from kvmesh.router.keymemo import key_memo_for
 from kvmesh.router.lora_state import merged_models, requested_adapter
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.pins import PinnedBlocks
@@ -128,8 +128,7 @@ class Gateway:
         self.index: BlockIndex = InstrumentedIndex(
             self.writer if self.writer is not None else backend, self.metrics.registry
         )
-        memo_capacity = config.index.key_memo_capacity
-        self.memo = BlockKeyMemo(memo_capacity) if memo_capacity > 0 else None
+        self.memo = key_memo_for(HashAlgo(config.hash_algo), config.index.key_memo_capacity)
         scheduler_config = (
             config.scheduler if config.scheduler is not None else load_scheduler_config(config.policy)
         )
