@@ -13,11 +13,12 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmesh.core.events import BlockRemoved
+from kvmesh.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvmesh.core.hashing import KEY_BYTES, BlockHasher, HashAlgo, Namespace, tokens_to_bytes
 from kvmesh.core.types import BlockKey, Medium, PodId
+from kvmesh.router.cache_memory import RememberingIndex, SeenBlocks
 from kvmesh.router.index import ALL_MEDIA, InMemoryIndex, MediumSet
-from kvmesh.router.ingest import event_medium
+from kvmesh.router.ingest import EventApplier, event_medium
 from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.pod_blocks import PodBlocks, Touched
 
@@ -177,3 +178,131 @@ def test_the_parsed_media_cache_answers_as_parsing_does(medium, locality):
     expected = Medium.SHARED if locality == "remote" else Medium.parse(medium)
     assert event_medium(event) == expected
     assert event_medium(event) == expected  # the second time from the cache, if kept
+
+
+# --------------------------------------------------------------------------------------------------
+# apply_batch (plain BlockStored runs keyed by PlainStores, one index write per run) against the
+# same events applied one by one through the general path.
+
+BS = 4
+_VOCAB = [7, 300, 70_000, 2**32 - 1]
+
+
+def _event(rng: random.Random, kind: str, known: list[int], next_hash: list[int]) -> object:
+    """One event of ``kind`` for a pod whose announced engine hashes are ``known``."""
+    if kind == "removed":
+        named = rng.sample(known, min(len(known), rng.randint(1, 3))) if known else [12345]
+        return BlockRemoved(named, medium=rng.choice([None, None, "CPU"]))
+    if kind == "cleared":
+        return AllBlocksCleared()
+    n = rng.randint(1, 3)
+    if kind == "again" and known:
+        hashes = [rng.choice(known)]  # a block announced before: not plain
+    else:
+        hashes = list(range(next_hash[0], next_hash[0] + n))
+        next_hash[0] += n
+    # Mostly the newest block (a chain going on), sometimes any announced block or none.
+    parent = (
+        (known[-1] if rng.random() < 0.6 else rng.choice(known))
+        if known and rng.random() < 0.8
+        else rng.choice([None, None, 99_999])
+    )
+    size = rng.choice([BS] * 8 + [2 * BS, 3])
+    # A small vocabulary repeats blocks, so router keys recur across events and pods.
+    tokens = [rng.choice(_VOCAB[: rng.randint(1, 4)]) for _ in range(len(hashes) * size)]
+    if rng.random() < 0.1:
+        tokens = tokens[:-1] if rng.random() < 0.5 else tokens + [1] * rng.randint(1, 2 * size)
+    return BlockStored(
+        hashes,
+        parent,
+        tokens,
+        size,
+        medium=rng.choice([None, "GPU", "GPU", "CPU", "SHARED"]) if rng.random() < 0.15 else None,
+        lora_name="l" if rng.random() < 0.05 else None,
+        group_idx=rng.choice([None, 0, 0, 1]) if rng.random() < 0.1 else None,
+        kv_cache_spec_kind=rng.choice(["full_attention", "sliding_window"]) if rng.random() < 0.1 else None,
+    )
+
+
+def _applier_state(applier: EventApplier, index: InMemoryIndex, seen: SeenBlocks) -> tuple[object, ...]:
+    pods = {pod: (pod_block_state(blocks), blocks.block_size) for pod, blocks in applier._pods.items()}
+    memo = None if applier.memo is None else list(applier.memo._keys.items())
+    return (
+        pods,
+        list(index._blocks.items()),
+        index.stats(),
+        memo,
+        list(seen._added.items()),
+        list(seen._removed.items()),
+        applier.stats,
+        applier.pod_stats(),
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_batches=st.integers(1, 25),
+    per_pod=st.sampled_from([12, 40, 10_000]),
+    capacity=st.sampled_from([None, 10_000]),
+    memo=st.booleans(),
+)
+def test_batches_leave_what_events_applied_one_by_one_leave(seed, num_batches, per_pod, capacity, memo):
+    rng = random.Random(seed)
+    sides = []
+    for _ in range(2):
+        index = InMemoryIndex(capacity)
+        seen = SeenBlocks(1000, clock=lambda: 1.0)
+        applier = EventApplier(
+            RememberingIndex(index, seen),
+            model="m",
+            block_size=BS,
+            algo=HashAlgo.XXH3,
+            max_blocks_per_pod=per_pod,
+            memo=BlockKeyMemo(50) if memo else None,
+        )
+        sides.append((applier, index, seen))
+    known: dict[PodId, list[int]] = {pod: [] for pod in PODS}
+    next_hash = [1]
+    kinds = ["plain"] * 16 + ["again", "removed", "removed", "cleared"]
+    for _ in range(num_batches):
+        pod = rng.choice(PODS)
+        events = []
+        for _ in range(rng.randint(1, 6)):
+            ev = _event(rng, rng.choice(kinds), known[pod], next_hash)
+            if isinstance(ev, BlockStored):
+                known[pod].extend(ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                known[pod].clear()
+            events.append(ev)
+        (batched, _, _), (one_by_one, _, _) = sides
+        batched.apply_batch(pod, KVEventBatch(0.0, events))
+        for ev in events:
+            one_by_one.apply(pod, ev)
+        assert _applier_state(*sides[0]) == _applier_state(*sides[1])
+
+
+def test_a_key_written_twice_in_one_batch_moves_as_it_does_event_by_event():
+    tokens = [5] * BS
+    batch = KVEventBatch(
+        0.0,
+        [
+            BlockStored([1], None, tokens, BS),
+            BlockStored([2], None, [6] * BS, BS),
+            BlockStored([3], None, tokens, BS),  # the same router key as block 1
+        ],
+    )
+    sides = []
+    for _ in range(2):
+        index = InMemoryIndex()
+        applier = EventApplier(index, model="m", block_size=BS, algo=HashAlgo.XXH3)
+        applier.apply(PODS[0], BlockStored([9], None, [8] * BS, BS))
+        sides.append((applier, index))
+    sides[0][0].apply_batch(PODS[0], batch)
+    for ev in batch.events:
+        sides[1][0].apply(PODS[0], ev)
+    hasher = BlockHasher(Namespace("m"), BS, HashAlgo.XXH3)
+    shared, second = hasher.hash_blocks(tokens)[0], hasher.hash_blocks([6] * BS)[0]
+    # Blocks 1 and 3 share a key, which moved past block 2's when block 3 came.
+    assert list(sides[0][1]._blocks)[1:] == [second, shared]
+    assert list(sides[0][1]._blocks) == list(sides[1][1]._blocks)

@@ -103,15 +103,19 @@ class SeenBlocks:
     def note_added(self, keys: Sequence[BlockKey], media: MediumSet) -> None:
         """``keys`` are now held in the tiers ``media``."""
         if self.capacity:
-            self._added.update(zip(keys, itertools.repeat((self.clock(), int(media)))))
-            _trim(self._added, self.capacity)
+            added = self._added
+            added.update(zip(keys, itertools.repeat((self.clock(), int(media)))))
+            if len(added) > self.capacity:
+                _trim(added, self.capacity)
 
     def note_removed(self, keys: Sequence[BlockKey], media: MediumSet) -> None:
         """``keys`` left the tiers ``media`` (of some holder)."""
         if self.capacity:
             bits = 0 if media == ALL_MEDIA else int(media)
-            self._removed.update(zip(keys, itertools.repeat((self.clock(), bits))))
-            _trim(self._removed, self.capacity)
+            removed = self._removed
+            removed.update(zip(keys, itertools.repeat((self.clock(), bits))))
+            if len(removed) > self.capacity:
+                _trim(removed, self.capacity)
 
 
 class RememberingIndex:

@@ -29,6 +29,7 @@ class ChainNamespaces:
         self.algo = algo
         self._namespaces: list[Namespace] = []
         self._hashers: dict[tuple[str, str], tuple[BlockHasher, int]] = {}
+        self._by_id: list[BlockHasher] = []
 
     def namespace(self, lora: str = "", tenant: str = "") -> Namespace:
         """The namespace requests with this LoRA and tenant hash into."""
@@ -41,13 +42,13 @@ class ChainNamespaces:
             ns = self.namespace(lora, tenant)
             entry = (BlockHasher(ns, self.block_size, self.algo), len(self._namespaces))
             self._namespaces.append(ns)
+            self._by_id.append(entry[0])
             self._hashers[(lora, tenant)] = entry
         return entry
 
     def hasher_of(self, ns_id: int) -> BlockHasher:
         """The block hasher of the namespace numbered ``ns_id``."""
-        ns = self._namespaces[ns_id]
-        return self.hasher(ns.lora, ns.tenant)[0]
+        return self._by_id[ns_id]
 
     def ids_matching(self, lora: str | None, tenant: str | None) -> set[int]:
         """Ids of the namespaces with this LoRA and tenant (``None`` = any)."""

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from kvmesh.core.types import Medium, PodId
+from kvmesh.router.ingest_stats import IngestStats
 from kvmesh.router.types import PrefixMatch
 
 logger = logging.getLogger(__name__)
@@ -91,3 +92,50 @@ def warn_block_size_mismatch(pod: PodId, engine_bs: int, block_size: int, known_
         fix,
         fix,
     )
+
+
+class EngineBlockSizes:
+    """How many router blocks each pod's engine blocks make, with one log line per pod and size.
+
+    Args:
+        block_size: the router's tokens per block.
+        stats: where unusable sizes are counted.
+        known_sizes: every pod's engine block size (named in the mismatch warning).
+    """
+
+    def __init__(
+        self, block_size: int, stats: IngestStats, known_sizes: Callable[[], Mapping[PodId, int]]
+    ) -> None:
+        self.block_size = block_size
+        self.stats = stats
+        self.known_sizes = known_sizes
+        self._noted: set[tuple[PodId, int, str]] = set()
+        """(pod, engine block size, why) already logged: one line per pod and cause."""
+
+    def router_blocks_per(self, pod: PodId, engine_bs: int) -> int | None:
+        """Router blocks per ``engine_bs``-token engine block of ``pod``; ``None`` (counted,
+        noted) when that size cannot be keyed."""
+        bs = self.block_size
+        if engine_bs <= 0:
+            self.stats.num_bad_events += 1
+            return None
+        if engine_bs % bs:
+            self.stats.num_block_size_mismatch += 1
+            if (pod, engine_bs, "mismatch") not in self._noted:
+                self._noted.add((pod, engine_bs, "mismatch"))
+                warn_block_size_mismatch(pod, engine_bs, bs, self.known_sizes().values())
+            return None
+        per = engine_bs // bs
+        if (pod, engine_bs, "size") not in self._noted:
+            self._noted.add((pod, engine_bs, "size"))
+            logger.info(
+                "pod %s publishes %d-token KV blocks: each is indexed as %d router blocks",
+                pod,
+                engine_bs,
+                per,
+            )
+        return per
+
+    def forget(self, pod: PodId) -> None:
+        """Log ``pod``'s sizes again when next seen (it left the fleet)."""
+        self._noted = {note for note in self._noted if note[0] != pod}

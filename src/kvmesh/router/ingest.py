@@ -27,24 +27,24 @@ All mutation happens on one thread (the event loop that receives the events).
 
 from __future__ import annotations
 
-import logging
+import itertools
 from collections.abc import Sequence
 
 from kvmesh.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, BlockHasher, HashAlgo, Namespace, tokens_to_bytes
 from kvmesh.core.types import BlockKey, ExternalBlockHash, Medium, PodId
 from kvmesh.router.chain_namespaces import ChainNamespaces
-from kvmesh.router.engine_blocks import align_match, warn_block_size_mismatch
+from kvmesh.router.engine_blocks import EngineBlockSizes, align_match
+from kvmesh.router.event_media import event_medium
 from kvmesh.router.index import ALL_MEDIA, MEDIUM_BITS, SHARED_TIER_HOLDER, BlockIndex, MediumSet
 from kvmesh.router.ingest_stats import IngestStats
 from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.kv_groups import GroupVerdict, KVGroupSelector
+from kvmesh.router.plain_stores import PlainStores
 from kvmesh.router.pod_blocks import PodBlocks, Touched
 from kvmesh.router.shared_refs import SharedKeyRefs
 from kvmesh.router.shared_vouchers import SharedVouchers
 from kvmesh.router.types import PrefixMatch
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BLOCKS_PER_POD = 1_000_000
 
@@ -52,23 +52,7 @@ _GPU_BIT = MEDIUM_BITS[Medium.GPU]
 
 _SHARED_BIT = MEDIUM_BITS[Medium.SHARED]
 
-
-_KNOWN_MEDIA: dict[str | None, Medium] = {None: Medium.GPU, "GPU": Medium.GPU}
-"""Wire ``medium`` strings already parsed (``Medium.parse`` walks the enum: ~1 µs an event)."""
-_MAX_KNOWN_MEDIA = 64
-
-
-def event_medium(ev: BlockStored | BlockRemoved) -> Medium:
-    """The tier an event speaks of: a remote tier behind vLLM's native offloading (locality
-    ``REMOTE``, such as kvmesh's secondary tier) is reachable from every pod, so it counts as SHARED."""
-    if ev.locality is not None and ev.locality.upper() == "REMOTE":
-        return Medium.SHARED
-    medium = _KNOWN_MEDIA.get(ev.medium)
-    if medium is None:
-        medium = Medium.parse(ev.medium)
-        if len(_KNOWN_MEDIA) < _MAX_KNOWN_MEDIA:  # a publisher's odd strings cannot grow it
-            _KNOWN_MEDIA[ev.medium] = medium
-    return medium
+_GPU_SET = MediumSet(_GPU_BIT)
 
 
 class EventApplier:
@@ -109,11 +93,11 @@ class EventApplier:
         self.stats = IngestStats()
         self._pods: dict[PodId, PodBlocks] = {}
         self._groups = KVGroupSelector(self.stats)
-        self._noted: set[tuple[PodId, int, str]] = set()
-        """(pod, engine block size, why) already logged: one line per pod and cause."""
+        self._sizes = EngineBlockSizes(block_size, self.stats, self.pod_block_sizes)
         self._namespaces = ChainNamespaces(model, revision, block_size, self.algo)
         self._shared_refs = SharedKeyRefs()
         self._vouchers = SharedVouchers()
+        self._plain = PlainStores(self._namespaces, block_size, max_blocks_per_pod, memo)
 
     def namespace(self, lora: str = "", tenant: str = "") -> Namespace:
         """The namespace requests with this LoRA and tenant hash into."""
@@ -171,9 +155,48 @@ class EventApplier:
         return align_match(match, bs, larger) if larger else match
 
     def apply_batch(self, pod: PodId, batch: KVEventBatch) -> None:
-        """Apply every event of one batch, in order."""
+        """Apply every event of one batch, in order.
+
+        Consecutive plain BlockStored events (:class:`~kvmesh.router.plain_stores.PlainStores`) are
+        keyed and tracked one by
+        one, and their keys reach the index in one write where the run ends (a batch is one step
+        of the engine; one write costs about what each event's did). The maps, the index and the
+        counters end as event-by-event application leaves them.
+        """
+        run: list[list[BlockKey]] = []
         for event in batch.events:
+            if type(event) is BlockStored and event.block_hashes:
+                self.stats.num_events += 1
+                verdict = self._groups.admit_stored(pod, event)
+                keys = self._plain.keys(self._pods.get(pod), event) if verdict is GroupVerdict.INDEX else None
+                if keys is not None:
+                    run.append(keys)
+                    continue
+                if run:
+                    self._index_run(pod, run)
+                    run = []
+                self._stored_admitted(pod, event, verdict)
+                continue
+            if run:
+                self._index_run(pod, run)
+                run = []
             self.apply(pod, event)
+        if run:
+            self._index_run(pod, run)
+
+    def _index_run(self, pod: PodId, run: list[list[BlockKey]]) -> None:
+        """Index the keys of a run of plain BlockStored events (each event's keys a list)."""
+        if len(run) == 1:
+            keys = run[0]
+        else:
+            keys = list(itertools.chain.from_iterable(run))
+            if len(set(keys)) != len(keys):
+                # A key named again moves to the index's recent end when written event by event.
+                for event_keys in run:
+                    self._index_run(pod, [event_keys])
+                return
+        self.index.add(keys, pod, _GPU_SET)
+        self.stats.num_blocks_stored += len(keys)
 
     def apply(self, pod: PodId, event: KVEvent) -> None:
         """Apply one event from ``pod``."""
@@ -218,7 +241,7 @@ class EventApplier:
         """
         dropped = self.drop_pod(pod) + self._withdraw_shared(pod, orphan=False)
         self._pods.pop(pod, None)
-        self._noted = {note for note in self._noted if note[0] != pod}
+        self._sizes.forget(pod)
         self._groups.forget(pod, notes=True)
         return dropped
 
@@ -280,13 +303,15 @@ class EventApplier:
         return blocks
 
     def _stored(self, pod: PodId, ev: BlockStored) -> None:
+        if ev.block_hashes:
+            # The publisher's KV cache group decides, shared-tier events included: group numbers
+            # are each publisher's own, and a fleet may mix tagged (vLLM) and untagged publishers.
+            self._stored_admitted(pod, ev, self._groups.admit_stored(pod, ev))
+
+    def _stored_admitted(self, pod: PodId, ev: BlockStored, verdict: GroupVerdict) -> None:
+        """Apply a BlockStored with block hashes, given its KV cache group's verdict."""
         hashes = ev.block_hashes
-        if not hashes:
-            return
-        # The publisher's KV cache group decides, shared-tier events included: group numbers are
-        # each publisher's own, and a fleet may mix tagged (vLLM) and untagged publishers.
         origin = pod
-        verdict = self._groups.admit_stored(origin, ev)
         if verdict is GroupVerdict.SKIP:
             return
         if verdict is GroupVerdict.SWITCH:
@@ -305,7 +330,7 @@ class EventApplier:
             self._apply_touched(pod, blocks, blocks.add_media(hashes, bits), MediumSet(bits))
             return
         blocks.block_size = ev.block_size
-        per = 1 if ev.block_size == self.block_size else self._router_blocks_per_engine_block(pod, ev)
+        per = 1 if ev.block_size == self.block_size else self._sizes.router_blocks_per(pod, ev.block_size)
         if per is None:
             return
         raw = self._event_tokens(ev.token_ids, len(hashes) * ev.block_size)
@@ -320,32 +345,6 @@ class EventApplier:
         # The shared tier's holder moves a block announced again to the newest end.
         touched = blocks.store(hashes, keys, ns_id, bits, move_last=pod == SHARED_TIER_HOLDER)
         self._apply_touched(pod, blocks, touched, MediumSet(bits))
-
-    def _router_blocks_per_engine_block(self, pod: PodId, ev: BlockStored) -> int | None:
-        """Router blocks per engine block of ``ev``; ``None`` (counted, noted) when its block size
-        cannot be keyed."""
-        bs = self.block_size
-        engine_bs = ev.block_size
-        if engine_bs <= 0:
-            self.stats.num_bad_events += 1
-            return None
-        if engine_bs % bs:
-            self.stats.num_block_size_mismatch += 1
-            if (pod, engine_bs, "mismatch") not in self._noted:
-                self._noted.add((pod, engine_bs, "mismatch"))
-                sizes = [b.block_size for b in self._pods.values() if b.block_size is not None]
-                warn_block_size_mismatch(pod, engine_bs, bs, sizes)
-            return None
-        per = engine_bs // bs
-        if (pod, engine_bs, "size") not in self._noted:
-            self._noted.add((pod, engine_bs, "size"))
-            logger.info(
-                "pod %s publishes %d-token KV blocks: each is indexed as %d router blocks",
-                pod,
-                engine_bs,
-                per,
-            )
-        return per
 
     def _event_tokens(self, tokens: list[int], need: int) -> bytes | None:
         """An event's first ``need`` token ids packed as u32 little-endian, once for the digests and
@@ -372,14 +371,14 @@ class EventApplier:
         if ev.parent_block_hash is None:
             hasher, ns_id = self._namespaces.hasher_of_chain(ev)
             return ns_id, self._hash(hasher, raw, None)
-        parent = blocks.entry(ev.parent_block_hash)
-        if parent is None and publisher_blocks is not None:
-            parent = publisher_blocks.entry(ev.parent_block_hash)
-        if parent is None:
+        link = blocks.link(ev.parent_block_hash)
+        if link is None and publisher_blocks is not None:
+            link = publisher_blocks.link(ev.parent_block_hash)
+        if link is None:
             self.stats.num_orphans += 1
             return None
-        hasher = self._namespaces.hasher_of(parent.ns_id)
-        return parent.ns_id, self._hash(hasher, raw, parent.key)
+        parent, ns_id = link
+        return ns_id, self._hash(self._namespaces.hasher_of(ns_id), raw, parent)
 
     def _hash(self, hasher: BlockHasher, raw: bytes, parent: BlockKey | None) -> list[BlockKey]:
         memo = self.memo

@@ -76,6 +76,17 @@ class PodBlocks:
             return value
         return BlockEntry(value, 0, self.usual_bits)
 
+    def link(self, h: ExternalBlockHash) -> tuple[BlockKey, int] | None:
+        """The (router key, namespace id) a chain continued from engine block ``h`` goes on from,
+        if tracked (:meth:`entry` without building an entry: one lookup per chained event)."""
+        value = self._entries.get(h)
+        if value is None:
+            return None
+        if type(value) is bytes:
+            return value, 0
+        assert isinstance(value, BlockEntry), f"engine block {h!r} maps to a {type(value).__name__}"
+        return value.key, value.ns_id
+
     def tracks_none_of(self, hashes: Iterable[ExternalBlockHash]) -> bool:
         """Whether no engine block of ``hashes`` is tracked."""
         return self._entries.keys().isdisjoint(hashes)
@@ -138,6 +149,16 @@ class PodBlocks:
             if old is None:
                 touched.new_keys.extend(block_keys)
         return touched
+
+    def track_new(self, hashes: Sequence[ExternalBlockHash], keys: Sequence[BlockKey], bound: int) -> bool:
+        """:meth:`store`'s common case without its outcome: track blocks none of which is
+        tracked, one router key each, in namespace 0 and the usual tier, if that keeps at most
+        ``bound`` blocks; ``False``, nothing changed, otherwise."""
+        entries = self._entries
+        if len(entries) + len(hashes) > bound or not entries.keys().isdisjoint(hashes):
+            return False
+        entries.update(zip(hashes, keys, strict=True))
+        return True
 
     def add_media(self, hashes: Iterable[ExternalBlockHash], bits: int) -> Touched:
         """Add ``bits``' tiers to tracked blocks (an offload event without tokens)."""
