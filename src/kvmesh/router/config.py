@@ -133,9 +133,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     """The longest pin (``{"kvmesh": {"cache_ttl_s": N}}``, header ``x-kvmesh-cache-ttl-s``) a
     request may ask for; longer is a 400. Engines check it against their own store's limit too."""
     tokenize_thread_min_chars: int = 8192
-    """Text prompts this long or longer are tokenized on a worker thread (the tokenizer releases
-    the GIL, so the event loop keeps serving); shorter ones inline, where the hop would cost more
-    than it saves (most prompts reuse a known prefix's ids or are tokenized in well under 1 ms)."""
+    """Text prompts with this many characters or more left to tokenize (after the exact cache and
+    the learnt prefixes) are tokenized on a worker thread (the tokenizer releases the GIL, so the
+    event loop keeps serving); the rest inline, where the hop would cost more than it saves."""
     tokenizer_cache_entries: int = 4096
     """Exact prompts (and exact chat message lists) whose token ids are kept, least recently used
     leaving first; 0 disables the cache. See :mod:`kvmesh.router.tokenize`."""
