@@ -268,7 +268,16 @@ def test_batches_leave_what_events_applied_one_by_one_leave(seed, num_batches, p
     for _ in range(num_batches):
         pod = rng.choice(PODS)
         events = []
-        for _ in range(rng.randint(1, 6)):
+        tracked = sides[1][0]._pods.get(pod)
+        tails = [] if tracked is None else [h for h, v in tracked._entries.items() if type(v) is bytes]
+        if tails and rng.random() < 0.4:
+            # Requests decoding: one new block each, continuing distinct chains the pod holds.
+            for parent in rng.sample(tails, min(len(tails), rng.randint(2, 5))):
+                tokens = [rng.choice(_VOCAB) for _ in range(BS)]
+                events.append(BlockStored([next_hash[0]], parent, tokens, BS))
+                next_hash[0] += 1
+            known[pod].extend(h for ev in events for h in ev.block_hashes)
+        for _ in range(rng.randint(0 if events else 1, 6 if not events else 1)):
             ev = _event(rng, rng.choice(kinds), known[pod], next_hash)
             if isinstance(ev, BlockStored):
                 known[pod].extend(ev.block_hashes)

@@ -226,6 +226,26 @@ class BlockHasher:
             keys = [prev := _xxh3(prev + block) for (block,) in split]
         return cast(list[BlockKey], keys)
 
+    def hash_each(self, raw: bytes, parents: Sequence[BlockKey]) -> list[BlockKey]:
+        """The key of each block of ``raw`` after its own parent: single blocks of different
+        chains (one-block events of several requests), digested in one pass.
+
+        Args:
+            raw: ``len(parents)`` whole blocks of packed token ids.
+            parents: each block's chain value before it.
+        """
+        assert len(raw) == len(parents) * self.block_size * 4, f"{len(raw)} bytes for {len(parents)} blocks"
+        split = struct.iter_unpack(self._block_format, raw)
+        if self.algo is HashAlgo.SHA256:
+            sha = hashlib.sha256
+            keys = [
+                sha(parent + block).digest()[:KEY_BYTES]
+                for parent, (block,) in zip(parents, split, strict=True)
+            ]
+        else:
+            keys = [_xxh3(parent + block) for parent, (block,) in zip(parents, split, strict=True)]
+        return cast(list[BlockKey], keys)
+
     def hash_packed_with_inputs(
         self, raw: bytes, parent: BlockKey | None = None
     ) -> tuple[list[BlockKey], list[bytes]]:

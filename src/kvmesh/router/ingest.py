@@ -163,39 +163,51 @@ class EventApplier:
         of the engine; one write costs about what each event's did). The maps, the index and the
         counters end as event-by-event application leaves them.
         """
-        run: list[list[BlockKey]] = []
+        run: list[BlockStored] = []
+        stats, admit, fits = self.stats, self._groups.admit_stored, self._plain.fits
         for event in batch.events:
-            if type(event) is BlockStored and event.block_hashes:
-                self.stats.num_events += 1
-                verdict = self._groups.admit_stored(pod, event)
-                keys = self._plain.keys(self._pods.get(pod), event) if verdict is GroupVerdict.INDEX else None
-                if keys is not None:
-                    run.append(keys)
+            stored = event if type(event) is BlockStored and event.block_hashes else None
+            if stored is not None:
+                stats.num_events += 1
+                verdict = admit(pod, stored)
+                if verdict is GroupVerdict.INDEX and fits(stored):
+                    run.append(stored)
                     continue
-                if run:
-                    self._index_run(pod, run)
-                    run = []
-                self._stored_admitted(pod, event, verdict)
-                continue
             if run:
-                self._index_run(pod, run)
+                self._apply_run(pod, run)
                 run = []
-            self.apply(pod, event)
+            if stored is None:
+                self.apply(pod, event)
+            else:
+                self._stored_admitted(pod, stored, verdict)
         if run:
-            self._index_run(pod, run)
+            self._apply_run(pod, run)
+
+    def _apply_run(self, pod: PodId, run: list[BlockStored]) -> None:
+        """Apply consecutive admitted BlockStored events that fit the plain shape."""
+        keys = self._plain.keys_of_run(self._pods.get(pod), run) if len(run) > 1 else None
+        if keys is not None:
+            self._index_run(pod, [keys] if len(set(keys)) == len(keys) else [[key] for key in keys])
+            return
+        done: list[list[BlockKey]] = []
+        for ev in run:
+            keys = self._plain.keys(self._pods.get(pod), ev)
+            if keys is not None:
+                done.append(keys)
+                continue
+            if done:
+                self._index_run(pod, done)
+                done = []
+            self._stored_admitted(pod, ev, GroupVerdict.INDEX)
+        if done:
+            self._index_run(pod, done)
 
     def _index_run(self, pod: PodId, run: list[list[BlockKey]]) -> None:
-        """Index the keys of a run of plain BlockStored events (each event's keys a list)."""
-        if len(run) == 1:
-            keys = run[0]
-        else:
-            keys = list(itertools.chain.from_iterable(run))
-            if len(set(keys)) != len(keys):
-                # A key named again moves to the index's recent end when written event by event.
-                for event_keys in run:
-                    self._index_run(pod, [event_keys])
-                return
-        self.index.add(keys, pod, _GPU_SET)
+        """Index the keys of a run of plain BlockStored events (each event's keys a list); a key
+        named twice takes one write per event (it moves to the index's recent end, as it would)."""
+        keys = run[0] if len(run) == 1 else list(itertools.chain.from_iterable(run))
+        for part in run if len(run) > 1 and len(set(keys)) != len(keys) else [keys]:
+            self.index.add(part, pod, _GPU_SET)
         self.stats.num_blocks_stored += len(keys)
 
     def apply(self, pod: PodId, event: KVEvent) -> None:

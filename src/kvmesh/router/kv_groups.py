@@ -69,14 +69,13 @@ class KVGroupSelector:
 
     def admit_stored(self, pod: PodId, ev: BlockStored) -> GroupVerdict:
         """What to do with a BlockStored of ``pod``."""
-        if (
-            ev.group_idx is None
-            and not self._groups
-            and not (_HAS_SPEC_KIND and getattr(ev, "kv_cache_spec_kind", None) is not None)
-        ):
+        kind = getattr(ev, "kv_cache_spec_kind", None) if _HAS_SPEC_KIND else None
+        group_idx = ev.group_idx
+        if group_idx is None and kind is None and not self._groups:
             return GroupVerdict.INDEX
-        kind = getattr(ev, "kv_cache_spec_kind", None)
-        group = _NO_GROUP if ev.group_idx is None else ev.group_idx
+        group = _NO_GROUP if group_idx is None else group_idx
+        if self._groups.get(pod) == group and (kind is None or kind in PREFIX_KV_KINDS):
+            return GroupVerdict.INDEX  # the pod's indexed group again: the common tagged event
         if kind is not None and kind not in PREFIX_KV_KINDS:
             self.stats.num_skipped_groups += 1
             if (pod, group) not in self._noted:

@@ -11,6 +11,9 @@ keys of a batch's consecutive plain events to the index at once
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 from kvmesh.core.events import BlockStored
 from kvmesh.core.hashing import tokens_to_bytes
 from kvmesh.core.types import BlockKey, Medium
@@ -21,6 +24,9 @@ from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.pod_blocks import PodBlocks
 
 _GPU_BIT = MEDIUM_BITS[Medium.GPU]
+
+_GPU_MEDIA = (None, "GPU")
+"""``medium`` of device-tier events as engines write it (any other goes through ``event_medium``)."""
 
 
 class PlainStores:
@@ -45,6 +51,43 @@ class PlainStores:
         self._bound = max_blocks_per_pod
         self._memo = memo
 
+    def fits(self, ev: BlockStored) -> bool:
+        """Whether ``ev`` has the shape of a plain event: blocks of the router's size with all
+        their tokens, in the device tier (:meth:`keys` checks the rest)."""
+        return (
+            ev.block_size == self._block_size
+            and len(ev.token_ids) == len(ev.block_hashes) * ev.block_size
+            and ((ev.locality is None and ev.medium in _GPU_MEDIA) or event_medium(ev) is Medium.GPU)
+        )
+
+    def keys_of_run(self, blocks: PodBlocks | None, run: Sequence[BlockStored]) -> list[BlockKey] | None:
+        """:meth:`keys` of a run of events that :meth:`fits`, at once, when each announces one
+        new block continuing a tracked chain of the first namespace (requests decoding) and no
+        memo is kept: links, tokens and digests of the whole run in a few passes.
+
+        Returns:
+            The run's keys, one per event in order; ``None``, nothing changed, when the run is
+            not such a run (then each event goes through :meth:`keys`).
+        """
+        if blocks is None or self._memo is not None or blocks.usual_bits != _GPU_BIT:
+            return None
+        hashes = list(itertools.chain.from_iterable([ev.block_hashes for ev in run]))
+        if len(hashes) != len(run) or len(set(hashes)) != len(hashes):
+            return None
+        # A parent announced earlier in the run is not tracked yet: such a run goes event by event.
+        parents = blocks.plain_keys_of([ev.parent_block_hash for ev in run])
+        if parents is None:
+            return None
+        try:
+            raw = tokens_to_bytes(list(itertools.chain.from_iterable([ev.token_ids for ev in run])))
+        except ValueError:
+            return None
+        keys = self._namespaces.hasher_of(0).hash_each(raw, parents)
+        if not blocks.track_new(hashes, keys, self._bound):
+            return None
+        blocks.block_size = self._block_size
+        return keys
+
     def keys(self, blocks: PodBlocks | None, ev: BlockStored) -> list[BlockKey] | None:
         """Key ``ev`` and track its blocks in ``blocks``, if it is plain: new blocks of the
         router's size with all their tokens, in the device tier of a pod already known, starting a
@@ -59,13 +102,7 @@ class PlainStores:
         """
         hashes = ev.block_hashes
         tokens = ev.token_ids
-        if (
-            blocks is None
-            or ev.block_size != self._block_size
-            or len(tokens) != len(hashes) * ev.block_size
-            or blocks.usual_bits != _GPU_BIT
-            or event_medium(ev) is not Medium.GPU
-        ):
+        if blocks is None or blocks.usual_bits != _GPU_BIT or not self.fits(ev):
             return None
         parent: BlockKey | None = None
         if ev.parent_block_hash is None:

@@ -87,6 +87,16 @@ class PodBlocks:
         assert isinstance(value, BlockEntry), f"engine block {h!r} maps to a {type(value).__name__}"
         return value.key, value.ns_id
 
+    def plain_keys_of(self, hashes: Iterable[ExternalBlockHash | None]) -> list[BlockKey] | None:
+        """The router keys of blocks ``hashes`` (of an expanded block: its last sub-key), when every
+        one is tracked in namespace 0 and the usual tier alone; ``None`` otherwise."""
+        entries = cast(dict[ExternalBlockHash | None, BlockKey | BlockEntry], self._entries)
+        found = list(map(entries.get, hashes))
+        # A key alone is exact bytes; an entry of another shape or a miss (None) is not plain.
+        if found and set(map(type, found)) != {bytes}:
+            return None
+        return cast(list[BlockKey], found)
+
     def tracks_none_of(self, hashes: Iterable[ExternalBlockHash]) -> bool:
         """Whether no engine block of ``hashes`` is tracked."""
         return self._entries.keys().isdisjoint(hashes)
