@@ -9,7 +9,8 @@
   on (the router's default). The key memo is kept as the router keeps it (sha256 only). The
   ``decode_steps`` figures are a stream as engines publish while requests decode: each batch four
   one-block BlockStored events (one per request that filled a block that step, shaped as vLLM 0.32
-  writes them: group, kind, medium and extra keys set) and now and then an eviction of 8 blocks.
+  writes them: group, kind, medium and extra keys set), each after a one-block eviction once the
+  pod is full (1,024 blocks), as vLLM interleaves them.
   Each figure is the best of ``--rounds`` runs. ``--steps`` also times each step alone (µs per
   block event): decode, and for stored blocks packing, hashing (with the memo's inputs where a
   memo is kept), memo, engine-hash map, index and seen-block memory; for removed blocks the map,
@@ -25,6 +26,7 @@ does not inflate them; ``--wall`` reports wall-clock time instead.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import random
@@ -81,24 +83,28 @@ def make_batches(
 
 def make_decode_batches(n_batches: int, seed: int = 0) -> tuple[list[tuple[PodId, KVEventBatch]], int]:
     """Batches as engines publish them while requests decode: per batch four one-block BlockStored
-    events (16 requests per pod take turns; a request ends now and then), and an eviction of the
-    oldest 8 blocks once a pod holds 4,096."""
+    events (16 requests per pod take turns; a request ends now and then). Once a pod holds 1,024
+    blocks each new block evicts its oldest: a one-block BlockRemoved before the BlockStored, in
+    the order vLLM's allocation and then caching write them. Events are shaped as vLLM 0.32
+    writes them (group, kind, medium and extra keys set)."""
     rng = random.Random(seed)
     out: list[tuple[PodId, KVEventBatch]] = []
     requests: dict[PodId, list[int | None]] = {p: [None] * 16 for p in PODS}
-    live: dict[PodId, list[int]] = {p: [] for p in PODS}
+    live: dict[PodId, collections.deque[int]] = {p: collections.deque() for p in PODS}
     next_hash = 1
     n_block_events = 0
     for _ in range(n_batches):
         pod = rng.choice(PODS)
         events: list[Any] = []
         for r in rng.sample(range(16), 4):
+            if len(live[pod]) >= 1024:
+                events.append(BlockRemoved([live[pod].popleft()], medium="GPU", group_idx=0))
+                n_block_events += 1
             tokens = [rng.randrange(40_000) for _ in range(BLOCK)]
-            parent = requests[pod][r]
             events.append(
                 BlockStored(
                     [next_hash],
-                    parent,
+                    requests[pod][r],
                     tokens,
                     BLOCK,
                     medium="GPU",
@@ -111,10 +117,6 @@ def make_decode_batches(n_batches: int, seed: int = 0) -> tuple[list[tuple[PodId
             requests[pod][r] = None if rng.random() < 0.02 else next_hash
             next_hash += 1
             n_block_events += 1
-        if len(live[pod]) > 4096:
-            gone, live[pod] = live[pod][:8], live[pod][8:]
-            events.append(BlockRemoved(gone, medium="GPU", group_idx=0))
-            n_block_events += 8
         out.append((pod, KVEventBatch(0.0, events)))
     return out, n_block_events
 

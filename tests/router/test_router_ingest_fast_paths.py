@@ -192,7 +192,9 @@ def _event(rng: random.Random, kind: str, known: list[int], next_hash: list[int]
     """One event of ``kind`` for a pod whose announced engine hashes are ``known``."""
     if kind == "removed":
         named = rng.sample(known, min(len(known), rng.randint(1, 3))) if known else [12345]
-        return BlockRemoved(named, medium=rng.choice([None, None, "CPU"]))
+        return BlockRemoved(
+            named, medium=rng.choice([None, None, "CPU"]), group_idx=rng.choice([None, None, 1])
+        )
     if kind == "cleared":
         return AllBlocksCleared()
     n = rng.randint(1, 3)
@@ -277,6 +279,10 @@ def test_batches_leave_what_events_applied_one_by_one_leave(seed, num_batches, p
                 events.append(BlockStored([next_hash[0]], parent, tokens, BS))
                 next_hash[0] += 1
             known[pod].extend(h for ev in events for h in ev.block_hashes)
+            # Evictions, one block each as vLLM announces them, of one tier or several.
+            for h in rng.sample(known[pod], min(len(known[pod]), rng.randint(0, 4))):
+                medium = rng.choice([None, None, "GPU", "CPU"])
+                events.append(BlockRemoved([h], medium=medium, group_idx=rng.choice([None, None, 0])))
         for _ in range(rng.randint(0 if events else 1, 6 if not events else 1)):
             ev = _event(rng, rng.choice(kinds), known[pod], next_hash)
             if isinstance(ev, BlockStored):

@@ -242,8 +242,16 @@ class InMemoryIndex:
         self.num_evicted += evicted
 
     def remove(self, keys: Sequence[BlockKey], pod: PodId, media: MediumSet = ALL_MEDIA) -> None:
-        if not (keys and self._drop_sole_holder(keys, pod, media)):
-            self._remove_each(keys, pod, media)
+        if len(keys) == 1:
+            # One evicted block, as engines announce each: checked here, without the batch's passes.
+            holders = self._blocks.get(keys[0])
+            if holders is not None and len(holders) == 1 and (held := holders.get(pod)) and not held & ~media:
+                del self._blocks[keys[0]]
+                self._num_entries -= 1
+                return
+        elif keys and self._drop_sole_holder(keys, pod, media):
+            return
+        self._remove_each(keys, pod, media)
 
     def _remove_each(self, keys: Sequence[BlockKey], pod: PodId, media: MediumSet) -> None:
         """:meth:`remove` key by key, whoever else holds them."""

@@ -1,3 +1,5 @@
+# Over 450 lines: the event applier's one dispatch over every event kind and tier; its parts
+# already live in plain_stores, pod_blocks, kv_groups, engine_blocks, chain_namespaces, shared_*.
 """Turns KV events into index updates.
 
 A BlockStored event carries the engine's own block hashes and the blocks' tokens. The index is
@@ -158,14 +160,29 @@ class EventApplier:
         """Apply every event of one batch, in order.
 
         Consecutive plain BlockStored events (:class:`~kvmesh.router.plain_stores.PlainStores`) are
-        keyed and tracked one by
-        one, and their keys reach the index in one write where the run ends (a batch is one step
-        of the engine; one write costs about what each event's did). The maps, the index and the
-        counters end as event-by-event application leaves them.
+        keyed and tracked one by one, and their keys reach the index in one write where the run
+        ends (a batch is one step of the engine; one write costs about what each event's did);
+        consecutive BlockRemoved events of one tier are applied at once. The maps, the index and
+        the counters end as event-by-event application leaves them.
         """
         run: list[BlockStored] = []
+        gone: list[BlockRemoved] = []
         stats, admit, fits = self.stats, self._groups.admit_stored, self._plain.fits
         for event in batch.events:
+            if type(event) is BlockRemoved:
+                if run:
+                    self._apply_run(pod, run)
+                    run = []
+                stats.num_events += 1
+                if gone and (event.medium, event.locality) != (gone[0].medium, gone[0].locality):
+                    self._removed_run(pod, gone)
+                    gone = []
+                if self._groups.admit_removed(pod, event.group_idx):
+                    gone.append(event)
+                continue
+            if gone:
+                self._removed_run(pod, gone)
+                gone = []
             stored = event if type(event) is BlockStored and event.block_hashes else None
             if stored is not None:
                 stats.num_events += 1
@@ -182,6 +199,8 @@ class EventApplier:
                 self._stored_admitted(pod, stored, verdict)
         if run:
             self._apply_run(pod, run)
+        if gone:
+            self._removed_run(pod, gone)
 
     def _apply_run(self, pod: PodId, run: list[BlockStored]) -> None:
         """Apply consecutive admitted BlockStored events that fit the plain shape."""
@@ -401,17 +420,26 @@ class EventApplier:
         return keys
 
     def _removed(self, pod: PodId, ev: BlockRemoved) -> None:
-        if not self._groups.admit_removed(pod, ev.group_idx):
-            return
+        if self._groups.admit_removed(pod, ev.group_idx):
+            self._removed_admitted(pod, ev, ev.block_hashes)
+
+    def _removed_run(self, pod: PodId, run: list[BlockRemoved]) -> None:
+        """Apply admitted BlockRemoved events of one tier at once (an engine announces each
+        evicted block alone): one pass over the pod's map, one index write."""
+        hashes = run[0].block_hashes if len(run) == 1 else [h for ev in run for h in ev.block_hashes]
+        self._removed_admitted(pod, run[0], hashes)
+
+    def _removed_admitted(self, pod: PodId, ev: BlockRemoved, hashes: list[ExternalBlockHash]) -> None:
+        """Apply the removal ``ev`` announces of ``hashes``, admitted by its KV cache group."""
         medium = event_medium(ev)
         if medium is Medium.SHARED:
             pod = SHARED_TIER_HOLDER
         blocks = self._pods.get(pod)
         if blocks is None:
-            self.stats.num_unknown_hashes += len(ev.block_hashes)
+            self.stats.num_unknown_hashes += len(hashes)
             return
         bits = MEDIUM_BITS[medium]
-        touched = blocks.remove_media(ev.block_hashes, bits)
+        touched = blocks.remove_media(hashes, bits)
         self.stats.num_unknown_hashes += touched.num_unknown
         if touched.keys:
             self._index_remove(touched.keys, pod, MediumSet(bits))

@@ -182,6 +182,13 @@ class PodBlocks:
     def remove_media(self, hashes: Sequence[ExternalBlockHash], bits: int) -> Touched:
         """Take ``bits``' tiers from tracked blocks; a block left in no tier is forgotten."""
         if not self.usual_bits & ~bits:
+            if len(hashes) == 1:
+                # One evicted block, as engines announce each: its key alone, if that is all it is.
+                h = hashes[0]
+                key = self._entries.get(h)
+                if type(key) is bytes and not (self._sub_keys and h in self._sub_keys):
+                    del self._entries[h]
+                    return Touched([key], [], 1, 0)
             evicted = self._evict_plain(hashes)
             if evicted is not None:
                 return evicted
