@@ -12,14 +12,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace, as_token_array
+from kvmesh.core.hashing import BlockHasher, HashAlgo, Namespace, as_token_array, tokens_to_bytes
 from kvmesh.core.tokens import Tokenizer
-from kvmesh.core.types import BlockKey, PodId
+from kvmesh.core.types import BlockKey, Medium, PodId
+from kvmesh.router.index import InMemoryIndex, medium_set
+from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.known_prefix import MAX_HASHERS, KnownPrefix, join_ids, prompt_block_keys
 from kvmesh.router.plugins.scorers import ApproximatePrefixScorer
+from kvmesh.router.prefix import iter_block_keys, match_prefix
 from kvmesh.router.prefix_tokens import PrefixReuse
 from kvmesh.router.request_parser import RequestParser
 from kvmesh.router.tokenize import CachedTokenizer
@@ -190,6 +193,7 @@ def _history_run(requests: list[tuple[list[int], int, int]], with_known: bool) -
         max_size=25,
     )
 )
+@example(shape=[(0, 0, 4, 1), (0, 0, 8, 0), (0, 0, 8, 1), (0, 0, 8, 2)])  # equal maps in another order
 def test_history_scores_and_lru_equal_going_key_by_key_with_or_without_known_prefixes(shape):
     starts = [[s * 1000 + j for j in range(48)] for s in range(4)]
     requests = [
@@ -231,3 +235,54 @@ def test_prompts_after_a_learnt_start_are_tokenized_inline_and_equal_the_thread_
         assert b.routing.tokens.tolist() == smollm2.encode(text)
     known = got[-1].routing.known_prefix
     assert known is not None and known.text.startswith(system) and texts[-1].startswith(known.text)
+
+
+def _summary(match: Any) -> tuple[Any, ...]:
+    pods = {pod: (m.num_blocks, m.blocks_by_tier) for pod, m in match.pods.items()}
+    return match.num_blocks, pods, None if match.shared is None else match.shared.num_blocks
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 50), max_size=80),
+    known_len=st.integers(0, 80),
+    shorter=st.integers(0, 80),
+    block_size=st.integers(1, 6),
+    held=st.lists(st.tuples(st.sampled_from(PODS), st.integers(0, 40)), max_size=3),
+)
+def test_matching_with_a_known_prefix_equals_hashing_every_block(ids, known_len, shorter, block_size, held):
+    hasher = BlockHasher(Namespace("m"), block_size, HashAlgo.XXH3)
+    keys = hasher.hash_blocks(ids)
+    index = InMemoryIndex()
+    for pod, n in held:
+        if keys[:n]:
+            index.add(keys[:n], pod, medium_set(Medium.GPU))
+    known = KnownPrefix("", ids[:known_len])
+    # a shorter prompt with the same start first: the kept keys grow only as far as consumed
+    head = as_token_array(ids[: min(shorter, len(ids))])
+    assert _summary(match_prefix(index, hasher, head, None, known if shorter >= known_len else None)) == (
+        _summary(match_prefix(index, hasher, head))
+    )
+    arr = as_token_array(ids)
+    assert list(iter_block_keys(hasher, arr, None, known)) == keys
+    assert _summary(match_prefix(index, hasher, arr, None, known)) == _summary(
+        match_prefix(index, hasher, arr)
+    )
+    assert list(iter_block_keys(hasher, ids, None, known)) == keys  # kept keys, a list prompt
+    # with a memo of event keys (kept for sha256 keys) for the blocks after the prefix
+    sha = BlockHasher(Namespace("m"), block_size, HashAlgo.SHA256)
+    sha_keys = sha.hash_blocks(ids)
+    memo = BlockKeyMemo(1000)
+    half = len(sha_keys) // 2
+    memo.remember(sha.root, tokens_to_bytes(ids[: half * block_size]), sha_keys[:half])
+    assert memo.walk(sha.root, tokens_to_bytes(ids[: half * block_size]), block_size * 4) == sha_keys[:half]
+    assert list(iter_block_keys(sha, arr, memo, KnownPrefix("", ids[:known_len]))) == sha_keys
+
+
+def test_a_cold_prompt_with_a_long_known_prefix_hashes_only_what_matching_consumes():
+    ids = list(range(16 * 1000))
+    known = KnownPrefix("", ids)
+    hasher = BlockHasher(Namespace("m"), 16, HashAlgo.XXH3)
+    found = match_prefix(InMemoryIndex(), hasher, as_token_array(ids), None, known)
+    assert found.pods == {} and found.num_blocks == 1000
+    assert len(known._keys[(hasher.namespace, 16, HashAlgo.XXH3)]) == 2  # the first group only

@@ -61,14 +61,27 @@ class KnownPrefix:
 
     def block_keys(self, hasher: BlockHasher) -> list[BlockKey]:
         """The keys of the prefix's full blocks under ``hasher`` (computed once; do not mutate)."""
+        return self.leading_keys(hasher, len(self.array) // hasher.block_size)
+
+    def leading_keys(self, hasher: BlockHasher, num_blocks: int) -> list[BlockKey]:
+        """The keys of at least the prefix's first ``num_blocks`` full blocks (all of them when it
+        has fewer) under ``hasher``: the kept list, extended as far as asked (do not mutate it)."""
         slot = (hasher.namespace, hasher.block_size, hasher.algo)
+        want = min(num_blocks, len(self.array) // hasher.block_size)
         keys = self._keys.get(slot)
-        if keys is None:
-            keys = hasher.hash_blocks(self.array)
-            with self._lock:
+        if keys is not None and len(keys) >= want:
+            return keys
+        with self._lock:
+            keys = self._keys.get(slot)
+            if keys is None:
                 if len(self._keys) >= MAX_HASHERS:
                     del self._keys[next(iter(self._keys))]
-                self._keys[slot] = keys
+                keys = self._keys[slot] = []
+            have = len(keys)
+            if have < want:
+                bs = hasher.block_size
+                # One extend: a reader on another thread sees the list before or after it.
+                keys.extend(hasher.hash_blocks(self.array[have * bs : want * bs], keys[-1] if keys else None))
         return keys
 
 

@@ -16,6 +16,7 @@ from kvmesh.core.hashing import BlockHasher, as_token_array
 from kvmesh.core.types import BlockKey, Medium, PodId
 from kvmesh.router.index import SHARED_TIER_HOLDER, BlockIndex, Holders, MediumSet, best_medium
 from kvmesh.router.keymemo import BlockKeyMemo
+from kvmesh.router.known_prefix import KnownPrefix
 from kvmesh.router.types import PodMatch, PrefixMatch
 
 DEFAULT_TIER_WEIGHTS: dict[Medium, float] = {
@@ -32,46 +33,66 @@ _HEAD_BLOCKS = 2
 
 
 def iter_block_keys(
-    hasher: BlockHasher, tokens: Sequence[int] | np.ndarray, memo: BlockKeyMemo | None = None
+    hasher: BlockHasher,
+    tokens: Sequence[int] | np.ndarray,
+    memo: BlockKeyMemo | None = None,
+    known: KnownPrefix | None = None,
 ) -> Iterator[BlockKey]:
     """Yield the chained keys of ``tokens``' full blocks, lazily.
 
-    Blocks found in ``memo`` cost a dict probe; the rest are hashed in groups that double in size
-    (2, 4, 8, ... 128 blocks), so a cold prompt costs a couple of digests and a long cached one
-    few calls into the hasher. Keys are produced a group at a time and flattened in C.
+    Blocks of ``known`` (a learnt prefix whose ids lead ``tokens``) come from its kept keys,
+    extended only as far as they are consumed; blocks found in ``memo`` cost a dict probe; the
+    rest are hashed in groups that double in size (2, 4, 8, ... 128 blocks), so a cold prompt costs
+    a couple of digests and a long cached one few calls into the hasher. Keys are produced a group
+    at a time and flattened in C.
     """
-    return itertools.chain.from_iterable(_iter_key_groups(hasher, tokens, memo))
+    return itertools.chain.from_iterable(_iter_key_groups(hasher, tokens, memo, known))
 
 
 def _iter_key_groups(
-    hasher: BlockHasher, tokens: Sequence[int] | np.ndarray, memo: BlockKeyMemo | None
+    hasher: BlockHasher,
+    tokens: Sequence[int] | np.ndarray,
+    memo: BlockKeyMemo | None,
+    known: KnownPrefix | None = None,
 ) -> Iterator[list[BlockKey]]:
     bs = hasher.block_size
     end = hasher.num_full_blocks(len(tokens)) * bs
     if end == 0:
         return
     parent: BlockKey | None = None
-    walking = memo is not None
     group = _FIRST_GROUP
-    head = min(end, _HEAD_BLOCKS * bs)
+    first = 0
+    if known is not None:
+        num_known = min(len(known), end) // bs
+        while first < num_known:
+            kept = known.leading_keys(hasher, min(first + group, num_known))
+            stop = min(len(kept), num_known)
+            yield kept[first:stop]
+            parent = kept[stop - 1]
+            first, group = stop, min(group * 2, _MAX_GROUP)
+        first *= bs
+    walking = memo is not None
+    head = min(end, first + _HEAD_BLOCKS * bs)
     # Converting a long prompt costs more than hashing its first blocks: a cold prompt stops
     # being consumed within the head, so only the head is converted before that is known.
-    for seg_start, seg_end in ((0, head), (head, end)):
+    for seg_start, seg_end in ((first, head), (head, end)):
         if seg_start >= seg_end:
             break
         # The tail is a view of the whole prompt converted once (a list slice would copy it first).
         arr = (
-            as_token_array(tokens[:seg_end]) if seg_start == 0 else as_token_array(tokens)[seg_start:seg_end]
+            as_token_array(tokens[seg_start:seg_end])
+            if seg_start == first
+            else as_token_array(tokens)[seg_start:seg_end]
         )
         n = seg_end - seg_start
         off = 0
         if walking:
             assert memo is not None
-            known = memo.walk(hasher.root if parent is None else parent, arr.tobytes(), bs * 4)
-            if known:
-                yield known
-                parent = known[-1]
-                off = len(known) * bs
+            walked = memo.walk(hasher.root if parent is None else parent, arr.tobytes(), bs * 4)
+            if walked:
+                yield walked
+                parent = walked[-1]
+                off = len(walked) * bs
             walking = off == n
         while off < n:
             stop = min(off + group * bs, n)
@@ -86,6 +107,7 @@ def match_prefix(
     hasher: BlockHasher,
     tokens: Sequence[int] | np.ndarray,
     memo: BlockKeyMemo | None = None,
+    known: KnownPrefix | None = None,
 ) -> PrefixMatch:
     """Per-pod consecutive cached blocks of ``tokens``.
 
@@ -94,6 +116,7 @@ def match_prefix(
         hasher: the request's namespace hasher (same block size and digest as the engines).
         tokens: prompt token ids.
         memo: keys already computed from event tokens (optional; only speeds things up).
+        known: a learnt prefix whose ids lead ``tokens`` (optional; its keys are kept).
 
     Returns:
         A :class:`PrefixMatch`; a pod appears when it holds at least block 0.
@@ -101,7 +124,9 @@ def match_prefix(
     num_blocks = hasher.num_full_blocks(len(tokens))
     if num_blocks == 0:
         return PrefixMatch(0, hasher.block_size)
-    return match_prefix_keys(index, iter_block_keys(hasher, tokens, memo), num_blocks, hasher.block_size)
+    return match_prefix_keys(
+        index, iter_block_keys(hasher, tokens, memo, known), num_blocks, hasher.block_size
+    )
 
 
 def match_prefix_keys(

@@ -201,7 +201,7 @@ class Scheduler:
             )
         if block_keys is None:
             hasher = self.hasher(request.namespace)
-            match = match_prefix(self.index, hasher, request.tokens, self.memo)
+            match = match_prefix(self.index, hasher, request.tokens, self.memo, request.known_prefix)
             if request.num_prompt_tokens is not None:  # only the prompt's leading ids are known
                 match.num_blocks = hasher.num_full_blocks(request.num_tokens)
         else:
