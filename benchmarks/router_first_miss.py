@@ -13,7 +13,7 @@ the median CPU time (``time.process_time``) of tokenizing and matching one promp
   any of it (``router_gateway.py --prompt-tokens 79500`` against its mock engines): the second
   prompt teaches the router the shared start.
 
-``full`` is today's path for every prompt (``CachedTokenizer.encode`` then ``Scheduler.match``),
+``full`` is the gateway's path for every prompt (``CachedTokenizer.encode_ids`` then ``Scheduler.match``),
 ``first-miss`` is :func:`kvmesh.router.first_miss.tokenize_until_miss`.
 """
 
@@ -49,7 +49,9 @@ def document(n_words: int, seed: int) -> str:
 
 def timed_full(tok: CachedTokenizer, sched: Scheduler, text: str) -> float:
     start = time.process_time()
-    routing = RoutingRequest("r", as_token_array(tok.encode(text)), NAMESPACE)
+    ids = tok.encode_ids(text)  # what the gateway calls: u32 ids and the learnt prefix they start with
+    assert ids is not None
+    routing = RoutingRequest("r", ids.array, NAMESPACE, known_prefix=ids.known)
     sched.match(routing)
     return time.process_time() - start
 
