@@ -71,6 +71,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvmesh.core.types import PodId
+from kvmesh.router.kv_release import KVReleaseRates
 from kvmesh.router.types import EndpointState
 
 DEFAULT_DECAY = 0.98
@@ -282,6 +283,8 @@ class _Open:
     """The token pairs in ``ahead``."""
     context: float
     sent_s: float
+    kv_tokens: int = 0
+    """The prompt's whole length: the device KV it needs once admitted."""
 
 
 @dataclass(slots=True)
@@ -297,9 +300,12 @@ class _Backlog:
     """``open_work`` less what the endpoint has computed since, at the learned speed: a request
     half-way through its prefill holds the next one back by half its work, not all of it."""
     at: float = 0.0
+    open_kv_tokens: int = 0
+    """The open requests' whole prompts: KV they take when the engine admits them."""
 
     def publish(self) -> None:
         self.state.pending_prefill_tokens = round(self.left)
+        self.state.pending_kv_tokens = self.open_kv_tokens
 
     def reprice(self, attention_context: float) -> None:
         """The attention context changed: price the open work anew, keeping the share left."""
@@ -356,6 +362,8 @@ class PrefillLedger:
         self._fit = PrefillSpeedFit(decay, min_tokens, attention_context, learn_context, max_context_ratio)
         self._learned: tuple[float, float] = (0.0, 0.0)
         self._backlogs: dict[PodId, _Backlog] = {}
+        self.kv_release = KVReleaseRates()
+        """How fast each endpoint frees device KV, from the requests seen to end there."""
 
     def __len__(self) -> int:
         return len(self._open)
@@ -371,7 +379,9 @@ class PrefillLedger:
         return self._learned[1]
 
     def refresh(self, now: float) -> None:
-        """Drain every endpoint's remaining work by what it computed since the last refresh."""
+        """Drain every endpoint's remaining work by what it computed since the last refresh (and
+        age the KV release rates)."""
+        self.kv_release.refresh(now)
         spt = self._learned[0]
         for backlog in self._backlogs.values():
             if spt > 0 and backlog.left > 0:
@@ -393,11 +403,13 @@ class PrefillLedger:
         if backlog is None or backlog.state is not state:  # new, or re-added to the pool
             backlog = self._backlogs[state.pod] = _Backlog(state, at=now)
             state.seconds_per_prefill_token, state.attention_context_tokens = self._learned
+            self.kv_release.watch(state, now)
         share = backlog.left / backlog.open_work if backlog.open_work > 0 else 0.0
         self._open[request_id] = _Open(
-            backlog, n, pairs, backlog.left, backlog.open_pairs * share, self._context, now
+            backlog, n, pairs, backlog.left, backlog.open_pairs * share, self._context, now, cached + n
         )
         backlog.open_tokens += n
+        backlog.open_kv_tokens += cached + n
         backlog.open_pairs += pairs
         backlog.open_work += work
         backlog.left += work
@@ -425,6 +437,11 @@ class PrefillLedger:
         for backlog in self._backlogs.values():
             backlog.state.seconds_per_prefill_token, backlog.state.attention_context_tokens = learned
 
+    def released(self, state: EndpointState, prompt_tokens: int, now: float) -> None:
+        """A request whose prompt held ``prompt_tokens`` of device KV ended at ``state``'s
+        endpoint (its answer is over): the KV it frees teaches the endpoint's release rate."""
+        self.kv_release.released(state, prompt_tokens, now)
+
     def finished(self, request_id: str) -> None:
         """The request ended (or failed) without a first-token sample: release its work."""
         self._release(request_id)
@@ -434,6 +451,7 @@ class PrefillLedger:
         if entry is not None:
             backlog = entry.backlog
             backlog.open_tokens = max(backlog.open_tokens - entry.tokens, 0.0)
+            backlog.open_kv_tokens = max(backlog.open_kv_tokens - entry.kv_tokens, 0)
             backlog.open_pairs = max(backlog.open_pairs - entry.pairs, 0.0)
             work = work_of(entry.tokens, entry.pairs, self._context)
             backlog.open_work = max(backlog.open_work - work, 0)

@@ -37,6 +37,8 @@ class EndpointState:
         pending_prefill_tokens: prompt tokens of this router's requests the endpoint still has to
             compute (sent, no first token yet), as predicted from the index when each was routed;
             weighted by position when the ledger has an attention context (``prefill_work``).
+        pending_kv_tokens: whole prompts of those requests (cached tokens included): the device KV
+            they take when the engine admits them.
         seconds_per_prefill_token: the endpoint's prefill cost learned from first-token times;
             0 until enough samples, when scorers use their configured prior.
         attention_context_tokens: the context at which attention doubles a prompt token's cost,
@@ -46,6 +48,8 @@ class EndpointState:
             when scorers use their configured value.
         kv_capacity_tokens: device KV tokens the engine holds (``/kvmesh/info``, else vLLM's
             ``vllm:cache_config_info``); 0 unknown.
+        kv_release_tokens_per_s: device KV tokens the endpoint's requests released per second
+            lately, as this router saw them end (:mod:`kvmesh.router.kv_release`); 0 unknown.
         lora: the endpoint's LoRA adapters (``vllm:lora_requests_info``, ``/v1/models``); ``None``
             when it reports none.
     """
@@ -58,10 +62,12 @@ class EndpointState:
     in_flight: int = 0
     healthy: bool = True
     pending_prefill_tokens: int = 0
+    pending_kv_tokens: int = 0
     seconds_per_prefill_token: float = 0.0
     attention_context_tokens: float = 0.0
     kv_bytes_per_token: int = 0
     kv_capacity_tokens: int = 0
+    kv_release_tokens_per_s: float = 0.0
     lora: LoraState | None = None
 
 

@@ -262,4 +262,7 @@ class SimRouter:
     def done(self, req: SimRequest) -> None:
         """The router saw ``req``'s response end."""
         if req.replica >= 0:
-            self._states[req.gateway][req.replica].in_flight -= 1
+            state = self._states[req.gateway][req.replica]
+            state.in_flight -= 1
+            if req.finish >= 0:
+                self._ledgers[req.gateway].released(state, req.prompt_len, req.finish)

@@ -28,6 +28,8 @@ class KVAdmissionPrice:
 
     turnover_s: float = 0.0
     evict_weight: float = 0.0
+    learned_wait: bool = False
+    ahead: float = 1.0
 
     @classmethod
     def from_params(cls, params: Params) -> KVAdmissionPrice:
@@ -35,11 +37,12 @@ class KVAdmissionPrice:
         return cls(
             params.number("kvTurnoverSeconds", 0.0, minimum=0.0),
             params.number("evictWeight", 0.0, minimum=0.0),
+            params.boolean("kvWaitLearned", False),
         )
 
     @property
     def enabled(self) -> bool:
-        return self.turnover_s > 0.0 or self.evict_weight > 0.0
+        return self.turnover_s > 0.0 or self.evict_weight > 0.0 or self.learned_wait
 
     def seconds(self, endpoint: EndpointState, num_tokens: int, new_tokens: int, spt: float) -> float:
         """The KV cost of ``num_tokens`` (``new_tokens`` not cached there) on ``endpoint``.
@@ -51,6 +54,12 @@ class KVAdmissionPrice:
         if capacity <= 0:
             return 0.0
         free = (1.0 - endpoint.kv_cache_usage) * capacity
-        short = min(num_tokens, capacity) - free
-        wait = short / capacity * self.turnover_s if short > 0.0 else 0.0
+        short = min(num_tokens + self.ahead * endpoint.pending_kv_tokens, capacity) - free
+        wait = 0.0
+        if short > 0.0:
+            rate = endpoint.kv_release_tokens_per_s
+            if self.learned_wait and rate > 0.0:
+                wait = short / rate
+            else:
+                wait = short / capacity * self.turnover_s
         return wait + self.evict_weight * new_tokens * spt
