@@ -69,8 +69,37 @@ def test_the_default_profile_prices_what_a_copy_evicts():
     config = load_scheduler_config("precise")
     s = Scheduler.from_config(config, index=InMemoryIndex(capacity=None), rng=random.Random(0))
     ttft = next(w.scorer for w in s.profiles["default"].scorers if isinstance(w.scorer, TTFTEstimateScorer))
-    assert ttft.kv_price == KVAdmissionPrice(turnover_s=0.0, evict_weight=0.5)
+    assert ttft.kv_price == KVAdmissionPrice(turnover_s=0.0, evict_weight=0.5, learned_wait=True)
     config["plugins"][0]["parameters"]["kvTurnoverSeconds"] = 8
     s = Scheduler.from_config(config, index=InMemoryIndex(capacity=None), rng=random.Random(0))
     ttft = next(w.scorer for w in s.profiles["default"].scorers if isinstance(w.scorer, TTFTEstimateScorer))
     assert ttft.kv_price.turnover_s == 8.0
+
+
+def test_a_short_prompt_waits_its_shortfall_at_the_learned_release_rate():
+    price = KVAdmissionPrice(turnover_s=8.0, learned_wait=True)
+    full = EndpointState(OTHER, kv_capacity_tokens=4096, kv_cache_usage=0.9, kv_release_tokens_per_s=200.0)
+    assert price.seconds(full, 1024, 0, 0.001) == pytest.approx((1024 - 409.6) / 200.0)
+    # prompts this router sent there that have not started take their KV first
+    full.pending_kv_tokens = 1000
+    assert price.seconds(full, 1024, 0, 0.001) == pytest.approx((2024 - 409.6) / 200.0)
+    # no rate learned yet: the configured turnover
+    unknown = EndpointState(OTHER, kv_capacity_tokens=4096, kv_cache_usage=0.9)
+    assert price.seconds(unknown, 1024, 0, 0.001) == pytest.approx((1024 - 409.6) / 4096 * 8.0)
+    # the learned rate is used only when asked for
+    assert KVAdmissionPrice(turnover_s=8.0).seconds(full, 1024, 0, 0.001) == pytest.approx(
+        (2024 - 409.6) / 4096 * 8.0
+    )
+
+
+def test_a_holder_that_frees_kv_slowly_loses_the_session_to_one_that_frees_it_fast():
+    # both endpoints' KV is held by running requests; the holder's decodes free it at 100 tokens/s
+    r = session_turn(held_blocks=32)
+    holder = EndpointState(HOLDER, kv_capacity_tokens=8192, kv_cache_usage=1.0, kv_release_tokens_per_s=100.0)
+    other = EndpointState(OTHER, kv_capacity_tokens=8192, kv_cache_usage=1.0, kv_release_tokens_per_s=5000.0)
+    learned = scorer(KVAdmissionPrice(learned_wait=True))
+    # holder: 0.512 s compute + 10.24 s for KV; other: 1.024 s + 0.205 s
+    assert learned.score(r, [holder, other]) == [pytest.approx(1.2288 / 10.752), 1.0]
+    # with the rates unknown both wait nothing, and the holder's cached half wins
+    holder.kv_release_tokens_per_s = other.kv_release_tokens_per_s = 0.0
+    assert learned.score(r, [holder, other]) == [1.0, pytest.approx(0.5)]

@@ -15,10 +15,10 @@ from kvmesh.router.index import InMemoryIndex
 from kvmesh.router.metrics import EndpointLoadCollector
 from kvmesh.router.plugins.registry import prefill_ledger_of
 from kvmesh.router.plugins.scorers import TTFTEstimateScorer
-from kvmesh.router.prefill_ledger import (
+from kvmesh.router.prefill_ledger import PrefillLedger
+from kvmesh.router.prefill_speed import (
     DEFAULT_MAX_CONTEXT_RATIO,
     MIN_SAMPLE_WEIGHT,
-    PrefillLedger,
     PrefillSpeedFit,
     prefill_pairs,
     prefill_work,

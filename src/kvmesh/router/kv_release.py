@@ -73,7 +73,8 @@ class KVReleaseRates:
             meter.at = now
 
     def _publish(self, meter: _Meter, now: float) -> None:
-        watched = now - meter.since
+        # a rate over less than a second (or the horizon) is one request's size, not a rate
+        watched = max(now - meter.since, min(1.0, self.horizon_s))
         # the weights of a steady stream sum to horizon × (1 - exp(-watched / horizon))
-        span = self.horizon_s * -math.expm1(-watched / self.horizon_s) if watched > 0 else 0.0
-        meter.state.kv_release_tokens_per_s = meter.mass / span if span > 0 else 0.0
+        span = self.horizon_s * -math.expm1(-watched / self.horizon_s)
+        meter.state.kv_release_tokens_per_s = meter.mass / span

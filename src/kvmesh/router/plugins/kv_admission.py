@@ -1,10 +1,14 @@
 """What a placement costs in device KV: the wait for free KV and the recompute of what it evicts.
 
 The prefill estimate prices compute only. On a full engine a long prompt first waits until running
-requests release enough KV to hold it, and once computed its new blocks push other prompts' cached
-blocks out, which those prompts pay for again when they come back. Both grow with the prompt, so on
-long-context traffic they, not the prefill queue, decide whether moving a session beats waiting at
-its holder.
+requests release enough KV to hold it (and so do the prompts sent there before it), and once
+computed its new blocks push other prompts' cached blocks out, which those prompts pay for again
+when they come back. Both grow with the prompt, so on long-context traffic they, not the prefill
+queue, decide whether moving a session beats waiting at its holder.
+
+How fast an engine frees KV depends on its decodes (long agent outputs free it slowly, short chat
+answers fast), so the wait is priced at the rate the router saw the endpoint's requests end
+(:mod:`kvmesh.router.kv_release`); a fixed turnover time is the fallback until one ended there.
 """
 
 from __future__ import annotations
@@ -21,19 +25,22 @@ class KVAdmissionPrice:
 
     Attributes:
         turnover_s: how long the running requests take to release the KV they hold (their
-            remaining decode); a request short of ``x`` of the capacity waits ``x × turnover_s``.
+            remaining decode); a request short of ``x`` of the capacity waits ``x × turnover_s``
+            (0: no wait, unless learned).
         evict_weight: the share of evicted tokens expected back; each is priced at the
             endpoint's seconds per token (0: evictions are free).
+        learned_wait: a request short of ``x`` tokens of free KV waits ``x`` over the endpoint's
+            learned release rate (``kv_release_tokens_per_s``) once one is known.
     """
 
     turnover_s: float = 0.0
     evict_weight: float = 0.0
     learned_wait: bool = False
-    ahead: float = 1.0
 
     @classmethod
     def from_params(cls, params: Params) -> KVAdmissionPrice:
-        """``kvTurnoverSeconds`` and ``evictWeight`` of the TTFT scorer (0 each: priced as compute only)."""
+        """``kvTurnoverSeconds``, ``evictWeight`` and ``kvWaitLearned`` of the TTFT scorer (0, 0 and
+        false: priced as compute only)."""
         return cls(
             params.number("kvTurnoverSeconds", 0.0, minimum=0.0),
             params.number("evictWeight", 0.0, minimum=0.0),
@@ -48,18 +55,21 @@ class KVAdmissionPrice:
         """The KV cost of ``num_tokens`` (``new_tokens`` not cached there) on ``endpoint``.
 
         Free KV is what running requests do not hold (``kv_cache_usage``, as vLLM counts it: idle
-        cached blocks are free, and taking them is the eviction). Unknown capacity prices nothing.
+        cached blocks are free, and taking them is the eviction); the prompts this router sent
+        there that have not started take theirs first (``pending_kv_tokens``). Unknown capacity
+        prices nothing.
         """
         capacity = endpoint.kv_capacity_tokens
         if capacity <= 0:
             return 0.0
         free = (1.0 - endpoint.kv_cache_usage) * capacity
-        short = min(num_tokens + self.ahead * endpoint.pending_kv_tokens, capacity) - free
-        wait = 0.0
-        if short > 0.0:
-            rate = endpoint.kv_release_tokens_per_s
-            if self.learned_wait and rate > 0.0:
-                wait = short / rate
-            else:
-                wait = short / capacity * self.turnover_s
-        return wait + self.evict_weight * new_tokens * spt
+        short = min(num_tokens + endpoint.pending_kv_tokens, capacity) - free
+        return self._wait(endpoint, short) + self.evict_weight * new_tokens * spt
+
+    def _wait(self, endpoint: EndpointState, short: float) -> float:
+        if short <= 0.0:
+            return 0.0
+        rate = endpoint.kv_release_tokens_per_s
+        if self.learned_wait and rate > 0.0:
+            return short / rate
+        return short / endpoint.kv_capacity_tokens * self.turnover_s

@@ -15,7 +15,7 @@ from kvmesh.errors import ConfigError
 from kvmesh.router.known_prefix import prompt_block_keys
 from kvmesh.router.plugins.base import Params, PluginContext, Scorer
 from kvmesh.router.plugins.kv_admission import KVAdmissionPrice
-from kvmesh.router.prefill_ledger import DEFAULT_MAX_CONTEXT_RATIO, prefill_work
+from kvmesh.router.prefill_speed import DEFAULT_MAX_CONTEXT_RATIO, prefill_work
 from kvmesh.router.prefix import DEFAULT_TIER_WEIGHTS, weighted_blocks
 from kvmesh.router.types import EndpointState, PrefixMatch, RoutingRequest
 
