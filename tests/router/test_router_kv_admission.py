@@ -69,11 +69,13 @@ def test_the_default_profile_prices_what_a_copy_evicts():
     config = load_scheduler_config("precise")
     s = Scheduler.from_config(config, index=InMemoryIndex(capacity=None), rng=random.Random(0))
     ttft = next(w.scorer for w in s.profiles["default"].scorers if isinstance(w.scorer, TTFTEstimateScorer))
-    assert ttft.kv_price == KVAdmissionPrice(turnover_s=0.0, evict_weight=0.5, learned_wait=True)
+    assert ttft.kv_price == KVAdmissionPrice(turnover_s=0.0, evict_weight=0.5)
     config["plugins"][0]["parameters"]["kvTurnoverSeconds"] = 8
+    config["plugins"][0]["parameters"]["kvWaitLearned"] = True
     s = Scheduler.from_config(config, index=InMemoryIndex(capacity=None), rng=random.Random(0))
     ttft = next(w.scorer for w in s.profiles["default"].scorers if isinstance(w.scorer, TTFTEstimateScorer))
     assert ttft.kv_price.turnover_s == 8.0
+    assert ttft.kv_price.learned_wait
 
 
 def test_a_short_prompt_waits_its_shortfall_at_the_learned_release_rate():

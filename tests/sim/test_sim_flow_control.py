@@ -63,8 +63,7 @@ def test_under_overload_work_the_fleet_holds_goes_first():
 
     fifo, continuing_first = run(0.0), run(0.9)
     assert fifo.num_timeouts == continuing_first.num_timeouts == 0
-    # (arrival order also serves more since the estimate prices the wait for free KV: 979 -> 1,105)
-    assert continuing_first.num_ok > 1.02 * fifo.num_ok
+    assert continuing_first.num_ok > 1.1 * fifo.num_ok
     assert continuing_first.hit_rate > fifo.hit_rate
     assert continuing_first.ttft.median < 0.7 * fifo.ttft.median
 
