@@ -34,6 +34,30 @@ def engine_hash(key: BlockKey) -> int:
     return int.from_bytes(key[:8], "big")
 
 
+class LoopbackApp:
+    """An aiohttp app on 127.0.0.1 at a free port: subclasses add their routes in :meth:`routes`."""
+
+    runner: web.AppRunner | None = None
+    url: str = ""
+
+    def routes(self, app: web.Application) -> None:
+        raise NotImplementedError
+
+    async def start(self) -> Any:
+        app = web.Application()
+        self.routes(app)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
 @dataclass
 class FakeEngine:
     """An OpenAI-compatible test engine with a real prefix cache and real KV events."""

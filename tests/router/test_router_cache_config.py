@@ -14,8 +14,8 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
+from router_fakes import LoopbackApp
 
-from kvmesh.core.net import free_port
 from kvmesh.core.types import PodId
 from kvmesh.router import cache_config
 from kvmesh.router.cache_config import CacheConfigWatch, cache_config_samples, capacity_of_samples
@@ -191,31 +191,18 @@ def test_well_formed_labels_give_their_product(blocks, size, engine):
     assert CacheConfigWatch(POD).read(VLLM_CPU_METRICS.replace(VLLM_CPU_CACHE_LINE, line)) == blocks * size
 
 
-class VllmMetricsEndpoint:
+class VllmMetricsEndpoint(LoopbackApp):
     """An HTTP endpoint serving vLLM's ``/metrics``; ``/kvmesh/info`` answers 404 as vLLM does
     unless ``info`` is set (a kvmesh engine)."""
 
     def __init__(self, metrics: str, info: dict[str, Any] | None = None) -> None:
         self.metrics = metrics
         self.info = info
-        self.runner: web.AppRunner | None = None
-        self.url = ""
 
-    async def start(self) -> VllmMetricsEndpoint:
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
         app.router.add_get("/kvmesh/info", self._info)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        port = free_port()
-        await web.TCPSite(self.runner, "127.0.0.1", port).start()
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics, content_type="text/plain")

@@ -8,9 +8,9 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from router_fakes import LoopbackApp
 
 from kvmesh.core.hashing import Namespace
-from kvmesh.core.net import free_port
 from kvmesh.errors import ConfigError
 from kvmesh.router.endpoints import EndpointConfig, EndpointPool
 from kvmesh.router.lora_state import (
@@ -207,7 +207,7 @@ def test_default_preset_sends_an_adapter_request_to_its_holder():
     assert base is not None and sorted(base.ranked) == ["a", "b", "c"]
 
 
-class LoraEngine:
+class LoraEngine(LoopbackApp):
     """A vLLM-shaped HTTP endpoint: LoRA metrics and a model list with adapters."""
 
     def __init__(self, adapters: tuple[str, ...], running: str) -> None:
@@ -215,24 +215,11 @@ class LoraEngine:
         self.running = running
         self.model_reads = 0
         self.lora_on = True
-        self.runner: web.AppRunner | None = None
-        self.url = ""
 
-    async def start(self) -> LoraEngine:
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        port = free_port()
-        await web.TCPSite(self.runner, "127.0.0.1", port).start()
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
 
     async def _metrics(self, request: web.Request) -> web.Response:
         lora = (
