@@ -4,8 +4,10 @@ A prompt that does not fit an engine's free KV waits until running requests fini
 theirs (vLLM admits in arrival order). How long depends on the engine's decodes: on coding-agent
 traffic with long outputs a full engine frees a few thousand tokens a second, on short chat answers
 far more. A configured turnover time is right for one of those and wrong for the other, so the
-router measures it: every request that ends at an endpoint released its prompt and output tokens
-there, and the rate over the last ``horizon_s`` seconds is what a waiting prompt can expect.
+router measures it: every request that ends at an endpoint released its prompt's KV there, and the
+rate over the last ``horizon_s`` seconds is what a waiting prompt can expect. Output tokens are not
+counted: a router does not see them in every answer, and on the long prompts where the wait matters
+they are a small share.
 """
 
 from __future__ import annotations
