@@ -25,6 +25,7 @@ import inspect
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import UnionType
 from typing import Any, Protocol, runtime_checkable
 
 from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, HashAlgo
@@ -144,47 +145,42 @@ class Params:
 
     def number(self, key: str, default: float, *, minimum: float | None = None) -> float:
         """A float parameter."""
-        value = self.raw.get(key, default)
-        self._used.add(key)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"plugin {self.plugin!r}: {key} must be a number, got {value!r}")
-        if minimum is not None and value < minimum:
-            raise ConfigError(f"plugin {self.plugin!r}: {key} must be >= {minimum}, got {value}")
+        value = self._take(key, default, int | float, "a number")
+        self._check_minimum(key, value, minimum)
         return float(value)
 
     def integer(self, key: str, default: int, *, minimum: int | None = None) -> int:
         """An int parameter."""
-        value = self.raw.get(key, default)
-        self._used.add(key)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"plugin {self.plugin!r}: {key} must be an integer, got {value!r}")
-        if minimum is not None and value < minimum:
-            raise ConfigError(f"plugin {self.plugin!r}: {key} must be >= {minimum}, got {value}")
+        value: int = self._take(key, default, int, "an integer")
+        self._check_minimum(key, value, minimum)
         return value
 
     def boolean(self, key: str, default: bool) -> bool:
         """A true/false parameter."""
-        value = self.raw.get(key, default)
-        self._used.add(key)
-        if not isinstance(value, bool):
-            raise ConfigError(f"plugin {self.plugin!r}: {key} must be true or false, got {value!r}")
+        value: bool = self._take(key, default, bool, "true or false")
         return value
 
     def string(self, key: str, default: str) -> str:
         """A string parameter."""
-        value = self.raw.get(key, default)
-        self._used.add(key)
-        if not isinstance(value, str):
-            raise ConfigError(f"plugin {self.plugin!r}: {key} must be a string, got {value!r}")
+        value: str = self._take(key, default, str, "a string")
         return value
 
     def mapping(self, key: str) -> dict[str, Any]:
         """A mapping parameter (empty when absent)."""
-        value = self.raw.get(key, {})
+        return dict(self._take(key, {}, Mapping, "a mapping"))
+
+    def _take(self, key: str, default: Any, kind: type | UnionType, what: str) -> Any:
+        """The parameter ``key`` (``default`` when absent), marked used; a ``kind`` instance or an error."""
+        value = self.raw.get(key, default)
         self._used.add(key)
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"plugin {self.plugin!r}: {key} must be a mapping, got {value!r}")
-        return dict(value)
+        # YAML's true/false are ints to isinstance: only the boolean getter takes them.
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise ConfigError(f"plugin {self.plugin!r}: {key} must be {what}, got {value!r}")
+        return value
+
+    def _check_minimum(self, key: str, value: float, minimum: float | None) -> None:
+        if minimum is not None and value < minimum:
+            raise ConfigError(f"plugin {self.plugin!r}: {key} must be >= {minimum}, got {value}")
 
     def check_unknown(self) -> None:
         """Reject parameters no getter asked for (typos must not pass silently).
