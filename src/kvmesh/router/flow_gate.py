@@ -58,26 +58,26 @@ def parse_flow_headers(headers: Mapping[str, str]) -> tuple[int, float | None]:
     Raises:
         RequestError: a header is not an integer in range.
     """
-    priority = 0
-    raw = headers.get(PRIORITY_HEADER)
-    if raw is not None:
-        try:
-            priority = int(raw.strip())
-        except ValueError:
-            raise RequestError(f"{PRIORITY_HEADER} must be an integer, got {raw!r}") from None
-        if abs(priority) >= _MAX_PRIORITY:
-            raise RequestError(f"{PRIORITY_HEADER} must lie in (-2^31, 2^31), got {priority}")
+    priority = _int_header(headers, PRIORITY_HEADER) or 0
+    if abs(priority) >= _MAX_PRIORITY:
+        raise RequestError(f"{PRIORITY_HEADER} must lie in (-2^31, 2^31), got {priority}")
     max_wait_s: float | None = None
-    raw = headers.get(MAX_QUEUE_WAIT_HEADER)
-    if raw is not None:
-        try:
-            ms = int(raw.strip())
-        except ValueError:
-            raise RequestError(f"{MAX_QUEUE_WAIT_HEADER} must be an integer, got {raw!r}") from None
+    ms = _int_header(headers, MAX_QUEUE_WAIT_HEADER)
+    if ms is not None:
         if ms < 0:
             raise RequestError(f"{MAX_QUEUE_WAIT_HEADER} must be >= 0, got {ms}")
         max_wait_s = ms / 1000.0
     return priority, max_wait_s
+
+
+def _int_header(headers: Mapping[str, str], name: str) -> int | None:
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise RequestError(f"{name} must be an integer, got {raw!r}") from None
 
 
 @dataclass(slots=True, eq=False)
