@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from kvmesh.core.json_body import NOT_JSON_ERRORS, not_json_error
 from kvmesh.core.tenancy import Role
 from kvmesh.core.tokens import Tokenizer
 from kvmesh.engine.runner import SamplingParams
@@ -87,12 +88,8 @@ def decode_body(body: bytes, cls: type[Any]) -> Any:
         elif "missing required field" in message:
             param = message.rsplit("`", 2)[-2]
         raise RequestError(f"invalid request: {message}", param=param) from exc
-    except msgspec.DecodeError as exc:
-        raise RequestError(f"invalid JSON body: {exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise RequestError(f"invalid JSON body: not UTF-8: {exc}") from exc
-    except RecursionError as exc:
-        raise RequestError("invalid JSON body: nested too deeply") from exc
+    except NOT_JSON_ERRORS as exc:
+        raise not_json_error("invalid JSON body", exc) from exc
 
 
 def prompt_list(prompt: Any) -> list[str | list[int]]:

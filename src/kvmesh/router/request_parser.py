@@ -23,6 +23,7 @@ import numpy as np
 
 from kvmesh.core.agent_apis import PromptApi, chat_input
 from kvmesh.core.hashing import Namespace, as_token_array
+from kvmesh.core.json_body import NOT_JSON_ERRORS, not_json_error
 from kvmesh.core.pins import check_pin_ttl, requested_pin_ttl, with_pin_ttl
 from kvmesh.core.tenancy import CACHE_SALT_FIELD, SESSION_HEADER, resolve_tenant
 from kvmesh.errors import RequestError
@@ -169,12 +170,8 @@ class RequestParser:
             raise RequestError("request body is empty; expected a JSON object")
         try:
             body = msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise RequestError(f"request body is not valid JSON: {exc}") from exc
-        except UnicodeDecodeError as exc:
-            raise RequestError(f"request body is not valid JSON: not UTF-8: {exc}") from exc
-        except RecursionError as exc:
-            raise RequestError("request body is not valid JSON: nested too deeply") from exc
+        except NOT_JSON_ERRORS as exc:
+            raise not_json_error("request body is not valid JSON", exc) from exc
         if not isinstance(body, dict):
             raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
         model = body.get("model")
