@@ -36,6 +36,7 @@ from kvmesh.router.cache_memory import SeenBlocks, TextPrints, text_prints
 from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.prefix import iter_block_keys
 from kvmesh.router.scheduler import Scheduler
+from kvmesh.router.scrape_collector import ScrapeCollector
 from kvmesh.router.types import Decision, PrefixMatch, RoutingRequest
 from kvmesh.router.usage import UsageLedger
 
@@ -300,16 +301,8 @@ def _note_json(note: CacheNote) -> dict[str, Any]:
     }
 
 
-class CacheReasonCollector:
+class CacheReasonCollector(ScrapeCollector[tuple[Mapping[MissReason, int], Mapping[MissReason, int]]]):
     """Exports a :class:`CacheReporter`'s counts by reason at scrape time."""
-
-    def __init__(
-        self, source: Callable[[], tuple[Mapping[MissReason, int], Mapping[MissReason, int]]]
-    ) -> None:
-        self._source = source
-
-    def describe(self) -> list[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         requests, missed = self._source()

@@ -56,6 +56,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvmesh.router.histograms import BucketHistogram, HistogramSeries
 from kvmesh.router.ingest import EventApplier, IngestStats
+from kvmesh.router.scrape_collector import ScrapeCollector
 from kvmesh.router.types import EndpointState
 
 _INGEST_HELP = {
@@ -72,18 +73,12 @@ _INGEST_HELP = {
 }
 
 
-class IngestCollector:
+class IngestCollector(ScrapeCollector[EventApplier | None]):
     """Exports an :class:`EventApplier`'s counters and per-pod block sizes at scrape time.
 
     Args:
         source: returns the applier (``None`` until the gateway has created it).
     """
-
-    def __init__(self, source: Callable[[], EventApplier | None]) -> None:
-        self._source = source
-
-    def describe(self) -> list[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         applier = self._source()
@@ -109,19 +104,13 @@ class IngestCollector:
         yield blocks
 
 
-class EndpointLoadCollector:
+class EndpointLoadCollector(ScrapeCollector[Iterable[EndpointState]]):
     """Exports the endpoints' outstanding prefill work and the learned prefill speed and attention
     context at scrape time.
 
     Args:
         source: returns the endpoint states the scheduler sees.
     """
-
-    def __init__(self, source: Callable[[], Iterable[EndpointState]]) -> None:
-        self._source = source
-
-    def describe(self) -> list[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         pending = GaugeMetricFamily(
@@ -156,18 +145,12 @@ class EndpointLoadCollector:
         )
 
 
-class FlowQueueCollector:
+class FlowQueueCollector(ScrapeCollector[Mapping[tuple[str, int], int]]):
     """Exports the flow-control queue's depth per tenant and priority at scrape time.
 
     Args:
         source: returns the queued requests per (tenant, priority).
     """
-
-    def __init__(self, source: Callable[[], Mapping[tuple[str, int], int]]) -> None:
-        self._source = source
-
-    def describe(self) -> list[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         depth = GaugeMetricFamily(
