@@ -7,7 +7,7 @@ ITL mean, wait-queue mean, plus the hit rate.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,40 +74,40 @@ def summary_table(run: RunResult, *, title: str | None = None) -> Table:
     return table
 
 
+SummaryColumn = tuple[str, Callable[[Summary], str]]
+"""A table column: its header, and the cell it shows for a run's summary."""
+
+
+def runs_table(
+    runs: Mapping[str, RunResult], columns: Sequence[SummaryColumn], *, title: str, label_header: str
+) -> Table:
+    """One row per labelled run: the label under ``label_header``, then each column's cell."""
+    table = Table(title=title)
+    for header in (label_header, *(header for header, _ in columns)):
+        table.add_column(header, justify="right")
+    for label, run in runs.items():
+        table.add_row(label, *(cell(run.summary) for _, cell in columns))
+    return table
+
+
 def compare_table(runs: Mapping[str, RunResult], *, title: str = "scheduler comparison") -> Table:
     """llm-d's comparison table, one row per labelled run (a ``shed`` column when a router's flow
     control refused requests: those are not in ``failed``, and latencies are over completed ones)."""
-    table = Table(title=title)
-    shed = any(run.summary.num_shed for run in runs.values())
-    for col in (
-        "scheduler",
-        "output tok/s",
-        "req/s",
-        "TTFT p90 s",
-        "TTFT mean s",
-        "ITL mean s",
-        "queue mean",
-        "hit rate",
-        "failed",
-        *(("shed (429)",) if shed else ()),
-    ):
-        table.add_column(col, justify="right")
+    columns: list[SummaryColumn] = [
+        ("output tok/s", lambda s: f"{s.output_throughput:.1f}"),
+        ("req/s", lambda s: f"{s.request_throughput:.2f}"),
+        ("TTFT p90 s", lambda s: _s(s.ttft.p90)),
+        ("TTFT mean s", lambda s: _s(s.ttft.mean)),
+        ("ITL mean s", lambda s: _s(s.itl.mean)),
+        ("queue mean", lambda s: f"{s.queue_mean:.1f}"),
+        ("hit rate", lambda s: f"{s.hit_rate:.3f}"),
+        ("failed", lambda s: str(s.num_failed)),
+    ]
+    if any(run.summary.num_shed for run in runs.values()):
+        columns.append(("shed (429)", lambda s: str(s.num_shed)))
+    table = runs_table(runs, columns, title=title, label_header="scheduler")
     if any(run.warmup_stages for run in runs.values()):
         table.caption = "warm-up stage excluded"
-    for label, run in runs.items():
-        s = run.summary
-        table.add_row(
-            label,
-            f"{s.output_throughput:.1f}",
-            f"{s.request_throughput:.2f}",
-            _s(s.ttft.p90),
-            _s(s.ttft.mean),
-            _s(s.itl.mean),
-            f"{s.queue_mean:.1f}",
-            f"{s.hit_rate:.3f}",
-            str(s.num_failed),
-            *((str(s.num_shed),) if shed else ()),
-        )
     return table
 
 

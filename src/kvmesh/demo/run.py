@@ -30,11 +30,13 @@ from kvmesh.bench.compare import compare_policies, run_on_fleet
 from kvmesh.bench.metrics import RunResult
 from kvmesh.bench.presets import llmd_73_scaled, repeated_prompts
 from kvmesh.bench.report import (
+    SummaryColumn,
     compare_table,
     describe_ratio,
     plot_stage_curves,
     plot_ttft_cdf,
     ratio_lines,
+    runs_table,
     write_json,
 )
 from kvmesh.bench.runner import RunOptions
@@ -111,32 +113,19 @@ def real_workload(quick: bool, num_replicas: int) -> SharedPrefixWorkload:
     return repeated_prompts("demo-shared-prefix", groups, per_group, cycles, lengths)
 
 
+_REAL_COLUMNS: list[SummaryColumn] = [
+    ("hit rate", lambda s: f"{s.hit_rate:.3f}"),
+    ("of reusable", lambda s: f"{s.reusable_hit_rate:.3f}"),
+    ("TTFT p50 s", lambda s: f"{s.ttft.median:.3f}"),
+    ("TTFT p90 s", lambda s: f"{s.ttft.p90:.3f}"),
+    ("req/s", lambda s: f"{s.request_throughput:.2f}"),
+    ("out tok/s", lambda s: f"{s.output_throughput:.1f}"),
+    ("failed", lambda s: str(s.num_failed)),
+]
+
+
 def _real_table(runs: dict[str, RunResult], title: str = "real model: SmolLM2-135M replicas on CPU") -> Table:
-    table = Table(title=title)
-    for col in (
-        "setup",
-        "hit rate",
-        "of reusable",
-        "TTFT p50 s",
-        "TTFT p90 s",
-        "req/s",
-        "out tok/s",
-        "failed",
-    ):
-        table.add_column(col, justify="right")
-    for label, run in runs.items():
-        s = run.summary
-        table.add_row(
-            label,
-            f"{s.hit_rate:.3f}",
-            f"{s.reusable_hit_rate:.3f}",
-            f"{s.ttft.median:.3f}",
-            f"{s.ttft.p90:.3f}",
-            f"{s.request_throughput:.2f}",
-            f"{s.output_throughput:.1f}",
-            str(s.num_failed),
-        )
-    return table
+    return runs_table(runs, _REAL_COLUMNS, title=title, label_header="setup")
 
 
 def explain_real(base: RunResult, best: RunResult, num_replicas: int) -> str:
