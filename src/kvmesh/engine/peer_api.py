@@ -30,7 +30,6 @@ length, sampling fields) and answers the same 4xx with a message; it generates n
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from typing import Any
 
@@ -38,14 +37,11 @@ import msgspec
 from aiohttp import web
 
 from kvmesh.engine.facts import ServedModel
+from kvmesh.engine.prompt_input import chat_input, completion_input, request_limits
 from kvmesh.engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Limits,
-    decode_body,
-    flatten_messages,
-    prompt_ids,
-    prompt_list,
     sampling_params,
     stop_strings,
 )
@@ -189,17 +185,10 @@ class PeerApi:
         return _ok(self.kv_event_sources_dict())
 
     async def render_completion(self, request: web.Request) -> web.StreamResponse:
-        body: CompletionRequest = decode_body(await request.read(), CompletionRequest)
-        self.model.check_model(body.model)
-        prompts = prompt_list(body.prompt)
-        if body.stream and len(prompts) > 1:
-            raise RequestError("stream=true takes a single prompt", param="prompt")
         # vllm-router renders every request on every worker: tokenizing off the event loop keeps
         # this engine's scheduler stepping meanwhile.
-        ids_list = await asyncio.to_thread(
-            prompt_ids, prompts, self.model.tokenizer, self.model.facts.prompt_vocab_size
-        )
-        limits = Limits(self.model.facts.max_model_len, self.model.facts.prompt_vocab_size, 16)
+        body, ids_list = await completion_input(self.model, await request.read(), off_loop=True)
+        limits = request_limits(self.model.facts, chat=False)
         base = f"cmpl-{uuid.uuid4().hex}"
         rendered = []
         for i, ids in enumerate(ids_list):
@@ -208,11 +197,8 @@ class PeerApi:
         return _ok(rendered)
 
     async def render_chat(self, request: web.Request) -> web.StreamResponse:
-        body: ChatCompletionRequest = decode_body(await request.read(), ChatCompletionRequest)
-        self.model.check_model(body.model)
-        messages = flatten_messages(body.messages)
-        ids = await asyncio.to_thread(self.model.tokenizer.apply_chat_template, messages)
-        limits = Limits(self.model.facts.max_model_len, self.model.facts.prompt_vocab_size, None)
+        body, ids = await chat_input(self.model, await request.read(), off_loop=True)
+        limits = request_limits(self.model.facts, chat=True)
         return _ok(self._generate_request(f"chatcmpl-{uuid.uuid4().hex}", ids, body, limits))
 
     # ---------------------------------------------------------------- rendering

@@ -43,14 +43,10 @@ from kvmesh.engine.info_api import InfoApi
 from kvmesh.engine.metrics import EngineMetrics
 from kvmesh.engine.peer_api import PeerApi
 from kvmesh.engine.pins import admit_pin, refusal_error
+from kvmesh.engine.prompt_input import chat_input, completion_input, request_limits
 from kvmesh.engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    Limits,
-    decode_body,
-    flatten_messages,
-    prompt_ids,
-    prompt_list,
     request_role,
     sampling_params,
     stop_strings,
@@ -231,17 +227,11 @@ class EngineServer:
     # ---------------------------------------------------------------- generation
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body: CompletionRequest = decode_body(await request.read(), CompletionRequest)
-        self.check_model(body.model)
-        ids_list = prompt_ids(prompt_list(body.prompt), self.tokenizer, self.vocab_size)
-        if body.stream and len(ids_list) > 1:
-            raise RequestError("stream=true takes a single prompt", param="prompt")
+        body, ids_list = await completion_input(self, await request.read())
         return await self._generate(request, body, ids_list, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body: ChatCompletionRequest = decode_body(await request.read(), ChatCompletionRequest)
-        self.check_model(body.model)
-        ids = self.tokenizer.apply_chat_template(flatten_messages(body.messages))
+        body, ids = await chat_input(self, await request.read())
         return await self._generate(request, body, [ids], chat=True)
 
     async def generate_chat(
@@ -261,7 +251,7 @@ class EngineServer:
         frames: AgentFrames | None = None,
     ) -> web.StreamResponse:
         arrival = time.monotonic()
-        limits = Limits(self.max_model_len, self.vocab_size, None if chat else 16)
+        limits = request_limits(self.facts, chat=chat)
         role = request_role(body, self.config.role)
         stops = stop_strings(body)
         params = [sampling_params(body, len(ids), limits) for ids in ids_list]
