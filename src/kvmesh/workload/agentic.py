@@ -26,7 +26,7 @@ from typing import Any, Literal, TypeAlias
 from kvmesh.errors import ConfigError
 from kvmesh.workload.block_replay import block_source, with_token_ids
 from kvmesh.workload.spec import Arrival, RequestSpec
-from kvmesh.workload.synthetic import DEFAULT_TOKEN_LOW, DEFAULT_VOCAB_SIZE
+from kvmesh.workload.synthetic import DEFAULT_TOKEN_LOW, DEFAULT_VOCAB_SIZE, check_token_range
 from kvmesh.workload.trace_blocks import DEFAULT_CAPACITY_BLOCKS, BlockTokens, PromptBlocks
 
 DrawLike: TypeAlias = int | float | Mapping[str, Any]
@@ -233,8 +233,7 @@ class AgenticWorkload:
             raise ConfigError(
                 f"block_tokens and cached_blocks must be > 0, got {self.block_tokens}, {self.cached_blocks}"
             )
-        if self.vocab_size <= self.token_low:
-            raise ConfigError(f"vocab_size ({self.vocab_size}) must exceed token_low ({self.token_low})")
+        check_token_range(self.vocab_size, self.token_low)
         self._draws = {
             what: _parse_draw(getattr(self, what), what)
             for what in (

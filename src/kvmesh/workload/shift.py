@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvmesh.errors import ConfigError
 from kvmesh.workload.spec import RequestSpec, Stage, Workload
-from kvmesh.workload.synthetic import DEFAULT_TOKEN_LOW, DEFAULT_VOCAB_SIZE
+from kvmesh.workload.synthetic import DEFAULT_TOKEN_LOW, DEFAULT_VOCAB_SIZE, check_token_range
 
 
 @dataclass(slots=True)
@@ -27,8 +26,7 @@ class ShiftedTokens:
     stages: list[Stage] | None = None
 
     def __post_init__(self) -> None:
-        if self.vocab_size <= self.token_low:
-            raise ConfigError(f"vocab_size ({self.vocab_size}) must exceed token_low ({self.token_low})")
+        check_token_range(self.vocab_size, self.token_low)
         self.name = self.name or self.inner.name
         self.stages = self.stages or getattr(self.inner, "stages", None)
 

@@ -11,12 +11,17 @@ DEFAULT_TOKEN_LOW = 100
 """Synthetic token ids start here so that special tokens (BOS, EOS, chat markers) never appear."""
 
 
+def check_token_range(vocab_size: int, token_low: int) -> None:
+    """Raise :class:`ConfigError` unless ``[token_low, vocab_size)`` holds at least one id."""
+    if vocab_size <= token_low:
+        raise ConfigError(f"vocab_size ({vocab_size}) must exceed token_low ({token_low})")
+
+
 def synthetic_tokens(
     rng: random.Random, n: int, vocab_size: int, token_low: int = DEFAULT_TOKEN_LOW
 ) -> list[int]:
     """``n`` token ids drawn uniformly from ``[token_low, vocab_size)``."""
-    if vocab_size <= token_low:
-        raise ConfigError(f"vocab_size ({vocab_size}) must exceed token_low ({token_low})")
+    check_token_range(vocab_size, token_low)
     return [rng.randrange(token_low, vocab_size) for _ in range(n)]
 
 

@@ -27,6 +27,7 @@ from typing import overload
 import numpy as np
 
 from kvmesh.errors import ConfigError
+from kvmesh.workload.synthetic import check_token_range
 
 DEFAULT_CAPACITY_BLOCKS = 16_384
 """Blocks kept (8.4M tokens of 512-token blocks, about 70 MB): a block is redrawn when it is reused
@@ -46,10 +47,8 @@ def block_token_array(
     Returns:
         ``num_tokens`` ids in ``[token_low, vocab_size)`` (uint32; uint64 for ids past 32 bits).
     """
-    span = vocab_size - token_low
-    if span <= 0:
-        raise ConfigError(f"vocab_size ({vocab_size}) must exceed token_low ({token_low})")
-    draws = _draws(seed, hash_id, num_tokens, span)
+    check_token_range(vocab_size, token_low)
+    draws = _draws(seed, hash_id, num_tokens, vocab_size - token_low)
     return draws + draws.dtype.type(token_low)
 
 
@@ -103,8 +102,7 @@ class BlockTokens:
             raise ConfigError(
                 f"block_tokens and capacity_blocks must be > 0, got {block_tokens}, {capacity_blocks}"
             )
-        if vocab_size <= token_low:
-            raise ConfigError(f"vocab_size ({vocab_size}) must exceed token_low ({token_low})")
+        check_token_range(vocab_size, token_low)
         self.block_tokens = block_tokens
         self.seed = seed
         self.vocab_size = vocab_size
