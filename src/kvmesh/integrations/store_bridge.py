@@ -28,7 +28,7 @@ import numpy as np
 
 from kvmesh.core.hashing import Namespace
 from kvmesh.errors import KVMeshError
-from kvmesh.store.cache_engine import KVCacheEngine, PrefixWritten, RetrieveResult
+from kvmesh.store.cache_engine import KVCacheEngine, PrefixWritten, RetrieveResult, check_prompt_kv
 from kvmesh.store.config import StoreConfig
 
 _T = TypeVar("_T")
@@ -199,8 +199,7 @@ class StoreBridge:
         Raises:
             ValueError: ``kv`` is not (L, 2, H, T, D) or covers more than ``tokens``.
         """
-        if kv.ndim != 5 or kv.shape[1] != 2 or kv.shape[3] > len(tokens):
-            raise ValueError(f"kv must be (L, 2, H, T<={len(tokens)}, D), got {kv.shape}")
+        check_prompt_kv(kv, len(tokens))
         tokens = list(tokens)
         store = self.engine.store(
             tokens,

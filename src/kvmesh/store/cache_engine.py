@@ -50,6 +50,17 @@ TierChanged: TypeAlias = Callable[[str, list[StoreKey], list[StoreKey]], None]
 :data:`~kvmesh.store.backends.changes.ChunksChanged`). Called on the event loop; must not raise."""
 
 
+def check_prompt_kv(kv: np.ndarray, num_tokens: int) -> None:
+    """Raise ``ValueError`` unless ``kv`` is the KV of leading tokens of a ``num_tokens`` prompt:
+    shaped (L, 2, H, T, D) with T <= ``num_tokens``."""
+    if kv.ndim != 5 or kv.shape[1] != 2:
+        raise ValueError(f"kv must be shaped (L, 2, H, T, D), got {kv.shape}")
+    if kv.shape[3] > num_tokens:
+        raise ValueError(
+            f"kv covers {kv.shape[3]} tokens but only {num_tokens} were given: (L, 2, H, T, D) needs T <= {num_tokens}"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class RetrieveResult:
     """KV of the longest stored prefix.
@@ -257,10 +268,7 @@ class KVCacheEngine:
             ValueError: ``kv`` is not (L, 2, H, T, D) with T ≤ len(tokens), its dtype disagrees
                 with the bound KV dtype, or ``keys`` are fewer than its chunks.
         """
-        if kv.ndim != 5 or kv.shape[1] != 2:
-            raise ValueError(f"kv must be shaped (L, 2, H, T, D), got {kv.shape}")
-        if kv.shape[3] > len(tokens):
-            raise ValueError(f"kv covers {kv.shape[3]} tokens but only {len(tokens)} tokens were given")
+        check_prompt_kv(kv, len(tokens))
         dtype = kv_dtype_name(kv)
         if self.kv_dtype and dtype != self.kv_dtype:
             raise ValueError(f"kv dtype is {dtype} but the store is bound to {self.kv_dtype}")
