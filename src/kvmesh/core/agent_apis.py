@@ -147,7 +147,7 @@ def _responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _responses_text(content: Any, where: str) -> str:
-    return _joined_text(
+    return joined_text(
         content,
         where,
         "input",
@@ -157,10 +157,22 @@ def _responses_text(content: Any, where: str) -> str:
     )
 
 
-def _joined_text(
+def joined_text(
     content: Any, where: str, param: str, *, types: tuple[str, ...], items: str, item_shape: str
 ) -> str:
-    """``content`` as a string, or the text of its list of typed text ``items``, joined."""
+    """``content`` as a string, or the text of its list of typed text ``items``, joined.
+
+    Args:
+        content: a message's content: a string, or a list of ``{"type": ..., "text": ...}`` items.
+        where: the content's place in the body, for messages (``"messages[2].content"``).
+        param: the request field named in errors.
+        types: the item types taken as text.
+        items: what the API calls the items (``"parts"``, ``"blocks"``).
+        item_shape: the item shape the API documents, for messages.
+
+    Raises:
+        RequestError: neither a string nor a list of text items.
+    """
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -282,7 +294,7 @@ def _anthropic_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _anthropic_text(content: Any, where: str, param: str) -> str:
-    return _joined_text(
+    return joined_text(
         content, where, param, types=("text",), items="blocks", item_shape="{'type': 'text', 'text': ...}"
     )
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from kvmesh.core.agent_apis import joined_text
 from kvmesh.core.json_body import NOT_JSON_ERRORS, not_json_error
 from kvmesh.core.tenancy import Role
 from kvmesh.core.tokens import Tokenizer
@@ -155,22 +156,14 @@ def flatten_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         content = message.get("content", "")
         if content is None:
             content = ""
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if (
-                    not isinstance(part, dict)
-                    or part.get("type") != "text"
-                    or not isinstance(part.get("text"), str)
-                ):
-                    raise RequestError(
-                        f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}",
-                        param="messages",
-                    )
-                texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str):
-            raise RequestError(f"messages[{i}].content must be a string or text parts", param="messages")
+        content = joined_text(
+            content,
+            f"messages[{i}].content",
+            "messages",
+            types=("text",),
+            items="parts",
+            item_shape="{'type': 'text', 'text': ...}",
+        )
         out.append({**message, "role": role, "content": content})
     return out
 
