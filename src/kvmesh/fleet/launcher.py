@@ -143,9 +143,8 @@ class Fleet:
 
     def kill_now(self) -> None:
         """SIGKILL every process group at once (for exit paths that cannot await)."""
-        for p in [self.router, *(e.process for e in self.engines), self._store_proc]:
-            if p is not None:
-                p.stop_now()
+        for p in self._processes():
+            p.stop_now()
 
     # --- shared tier -----------------------------------------------------------------------------
 
@@ -429,9 +428,13 @@ class Fleet:
 
     def check_alive(self) -> None:
         """Raise :class:`FleetError` if any process of the fleet has exited."""
-        for p in [self.router, *(e.process for e in self.engines), self._store_proc]:
-            if p is not None:
-                p.check_alive()
+        for p in self._processes():
+            p.check_alive()
+
+    def _processes(self) -> list[ManagedProcess]:
+        """The fleet's running processes: router, engines, shared tier."""
+        every = [self.router, *(e.process for e in self.engines), self._store_proc]
+        return [p for p in every if p is not None]
 
     def manifest(self) -> dict[str, object]:
         return {
