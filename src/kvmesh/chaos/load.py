@@ -8,7 +8,6 @@ The rate can be changed, and sending paused while the router itself is down.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import random
@@ -21,6 +20,7 @@ import numpy as np
 from kvmesh.bench.metrics import RequestResult
 from kvmesh.bench.runner import RunOptions, send_request
 from kvmesh.chaos.schedule import FaultLog
+from kvmesh.core.tasks import cancel_and_wait
 from kvmesh.workload import RequestSpec, SharedPrefixWorkload
 
 MAX_IN_FLIGHT = 512
@@ -129,11 +129,8 @@ class SteadyLoad:
 
     async def aclose(self) -> None:
         """Stop sending, let requests in flight finish (bounded by their timeout), close."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait([self._task])
+        self._task = None
         await self.wait_idle(self.options.request_timeout_s + 5)
         if self._session is not None:
             await self._session.close()

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvmesh.core.events import KVEventBatch, decode_batch, event_to_json_dict
 from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, BlockHasher, HashAlgo, Namespace
+from kvmesh.core.tasks import cancel_and_wait
 from kvmesh.core.types import PodId
 from kvmesh.core.vllm_hashing import to_wire_u64, vllm_block_hashes
 from kvmesh.errors import ProtocolError
@@ -210,9 +211,7 @@ def _cmd_listen(args: argparse.Namespace) -> int:
         except TimeoutError:
             pass
         await sub.aclose()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait([task])
         stats = sub.stats
         print(
             f"events={stats.num_events} batches={stats.num_batches} malformed={stats.num_malformed} "

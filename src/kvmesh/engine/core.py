@@ -18,13 +18,13 @@ A request's prefix comes from the longest of its blocks in the device-tier cache
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
 
 from kvmesh.core.event_transport import EventPublisher, NullEventPublisher
 from kvmesh.core.events import AllBlocksCleared
+from kvmesh.core.tasks import cancel_and_wait
 from kvmesh.core.tenancy import Role
 from kvmesh.core.types import Medium
 from kvmesh.engine.prefix_cache import PrefixCache
@@ -125,11 +125,8 @@ class EngineCore:
         """Stop the loop, abort what is left, wait for pending store writes, flush events."""
         self._closing = True
         self._wake.set()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait([self._task])
+        self._task = None
         for req in list(self._requests.values()):
             self.scheduler.abort(req)
             self._finish(req, "abort")

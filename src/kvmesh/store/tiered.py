@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeAlias, TypeVar
 
+from kvmesh.core.tasks import cancel_and_wait
 from kvmesh.core.tier_scan import PrefixScan
 from kvmesh.errors import CorruptChunkError, TierUnavailableError
 from kvmesh.store.backends.base import Backend, ChunkData
@@ -623,11 +624,8 @@ class TieredStore:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.drain(), _CLOSE_DRAIN_S)
         for tier in self.tiers:
-            if tier._worker is not None:
-                tier._worker.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await tier._worker
-                tier._worker = None
+            await cancel_and_wait([tier._worker])
+            tier._worker = None
             while tier._queue is not None and not tier._queue.empty():
                 left = tier._queue.get_nowait()
                 if left is not None:
