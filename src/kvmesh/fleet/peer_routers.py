@@ -30,7 +30,7 @@ import aiohttp
 from kvmesh.core.net import free_ports
 from kvmesh.errors import FleetError
 from kvmesh.fleet.config import HOST, EngineHandle
-from kvmesh.fleet.process import ManagedProcess, wait_until
+from kvmesh.fleet.process import ManagedProcess, probe_json, wait_until
 from kvmesh.fleet.vllm import repo_root
 
 PeerKind = Literal["sglang", "vllm"]
@@ -139,13 +139,7 @@ def _workers_probe(
     path = "/workers" if kind == "sglang" else "/list_workers"
 
     async def probe() -> bool:
-        try:
-            async with session.get(url + path, timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                if resp.status != 200:
-                    return False
-                body = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
-            return False
+        _, body = await probe_json(session, url + path)
         if not isinstance(body, dict):
             return False
         if kind == "sglang":

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -156,17 +157,25 @@ def http_probe(session: aiohttp.ClientSession, url: str) -> Callable[[], Awaitab
     return probe
 
 
+async def probe_json(session: aiohttp.ClientSession, url: str) -> tuple[bool, Any]:
+    """``(True, body)`` when ``GET url`` answers 200 with JSON within 2 s; ``(False, None)`` when it
+    does not (not up yet: refused, timed out, another status, or not JSON)."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+            if resp.status != 200:
+                return False, None
+            return True, await resp.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+        return False, None
+
+
 def all_healthy_probe(session: aiohttp.ClientSession, url: str) -> Callable[[], Awaitable[bool]]:
     """A probe that is True when ``GET url`` answers 200 and, where the body counts endpoints
     (``{"endpoints": n, "healthy": h}``, the router's /health), every endpoint is healthy."""
 
     async def probe() -> bool:
-        try:
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                if resp.status != 200:
-                    return False
-                body = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+        answered, body = await probe_json(session, url)
+        if not answered:
             return False
         if isinstance(body, dict) and isinstance(body.get("endpoints"), int):
             return body.get("healthy") == body["endpoints"]
