@@ -133,7 +133,8 @@ def write_json(path: str | Path, runs: Mapping[str, RunResult], *, include_reque
     return path
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend (files only, no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -144,7 +145,7 @@ def _pyplot() -> Any:
 
 def plot_ttft_cdf(runs: Mapping[str, RunResult], path: str | Path, *, title: str = "TTFT CDF") -> Path:
     """One TTFT CDF line per run (log-scale x)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, run in runs.items():
         ttfts = np.sort([r.ttft_s for r in run.results if r.ok and r.ttft_s is not None])
@@ -158,10 +159,11 @@ def plot_ttft_cdf(runs: Mapping[str, RunResult], path: str | Path, *, title: str
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    return _save_figure(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
-def _save_figure(plt: Any, fig: Any, path: str | Path) -> Path:
+def save_figure(plt: Any, fig: Any, path: str | Path) -> Path:
+    """Write ``fig`` to ``path`` as a PNG (its folder made if needed), close it, return the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -173,7 +175,7 @@ def plot_stage_curves(
     runs: Mapping[str, RunResult], path: str | Path, *, title: str = "p90 TTFT and throughput vs QPS"
 ) -> Path:
     """p90 TTFT (log) and output throughput against each stage's offered QPS, one line per run."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
     for label, run in runs.items():
         pts = sorted(
@@ -195,7 +197,7 @@ def plot_stage_curves(
         ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    return _save_figure(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def describe_ratio(ratio: float, what: str, better: str, worse: str) -> str:

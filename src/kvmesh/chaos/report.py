@@ -17,6 +17,7 @@ from typing import Any
 
 from rich.table import Table
 
+from kvmesh.bench.report import pyplot, save_figure
 from kvmesh.chaos.bounds import ScenarioResult
 from kvmesh.chaos.load import Series
 from kvmesh.chaos.schedule import FaultSpan
@@ -102,11 +103,7 @@ def render_table(report: ChaosReport) -> Table:
 
 def plot_timeline(report: ChaosReport, path: Path) -> Path:
     """Four stacked panels sharing the time axis, each fault a labelled shaded span."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     s = report.series
     if s is None:
         raise ValueError("the report has no series to plot")
@@ -138,7 +135,4 @@ def plot_timeline(report: ChaosReport, path: Path) -> Path:
     verdict = "all bounds hold" if report.passed else "BOUNDS FAILED"
     fig.suptitle(f"kvmesh chaos ({report.mode}): {verdict}", y=0.995)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvmesh.bench.report import pyplot, save_figure
 from kvmesh.errors import ConfigError
 from kvmesh.sim.fleet import FleetConfig, simulate
 from kvmesh.sim.report import SimReport, build_report
@@ -89,11 +90,7 @@ def run_sweep(
 
 def plot_sweep(points: Sequence[SweepPoint], path: str | Path, *, title: str = "fleet size sweep") -> Path:
     """p90 TTFT (log) and cost per 1k requests against fleet size, one line per (qps, sharing)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
     series: dict[tuple[float | None, bool], list[SweepPoint]] = {}
     for p in points:
@@ -114,8 +111,4 @@ def plot_sweep(points: Sequence[SweepPoint], path: str | Path, *, title: str = "
         ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(plt, fig, path)
