@@ -11,11 +11,11 @@ same step, after ``get_finished``), and vLLM recomputes them.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Callable
 
 from kvmesh.integrations.request_tracker import LoadSpec
+from kvmesh.integrations.serial_thread import SerialThread
 
 __all__ = ["BackgroundLoader"]
 
@@ -35,19 +35,17 @@ class BackgroundLoader:
     ) -> None:
         self._run = run
         self._blocks_of = blocks_of
-        self._queue: queue.SimpleQueue[LoadSpec | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._done: dict[str, set[int]] = {}
         self._in_flight: set[str] = set()
         self.num_failed = 0
-        self._thread = threading.Thread(target=self._loop, name="kvmesh-loader", daemon=True)
-        self._thread.start()
+        self._worker = SerialThread(self._load, "kvmesh-loader")
 
     def submit(self, spec: LoadSpec) -> None:
         """Queue ``spec``; :meth:`take_finished` reports it once it ran."""
         with self._lock:
             self._in_flight.add(spec.req_id)
-        self._queue.put(spec)
+        self._worker.put(spec)
 
     def take_finished(self) -> dict[str, set[int]]:
         """Loads that ran since the last call: request id → blocks not filled (empty when whole)."""
@@ -62,17 +60,15 @@ class BackgroundLoader:
 
     def close(self, timeout_s: float) -> None:
         """Run the queued loads, then stop the thread (waits at most ``timeout_s``)."""
-        self._queue.put(None)
-        self._thread.join(timeout_s)
+        self._worker.close(timeout_s)
 
-    def _loop(self) -> None:
-        while (spec := self._queue.get()) is not None:
-            try:
-                failed = self._run(spec)
-            except Exception:
-                self.num_failed += 1
-                _log.exception("kvmesh load of request %s failed; vLLM recomputes its blocks", spec.req_id)
-                failed = self._blocks_of(spec)
-            with self._lock:
-                self._in_flight.discard(spec.req_id)
-                self._done.setdefault(spec.req_id, set()).update(failed)
+    def _load(self, spec: LoadSpec) -> None:
+        try:
+            failed = self._run(spec)
+        except Exception:
+            self.num_failed += 1
+            _log.exception("kvmesh load of request %s failed; vLLM recomputes its blocks", spec.req_id)
+            failed = self._blocks_of(spec)
+        with self._lock:
+            self._in_flight.discard(spec.req_id)
+            self._done.setdefault(spec.req_id, set()).update(failed)

@@ -10,12 +10,12 @@ released and the chunks are a later miss.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvmesh.integrations.request_tracker import SaveSpec
+from kvmesh.integrations.serial_thread import SerialThread
 
 __all__ = ["BackgroundSaver"]
 
@@ -33,14 +33,12 @@ class BackgroundSaver:
 
     def __init__(self, run: Callable[[SaveSpec, Any], object]) -> None:
         self._run = run
-        self._queue: queue.SimpleQueue[tuple[SaveSpec, Any] | None] = queue.SimpleQueue()
         self._changed = threading.Condition()
         self._pending: dict[str, int] = {}
         self._tracked: set[str] = set()
         self._awaiting: set[str] = set()
         self.num_failed = 0
-        self._thread = threading.Thread(target=self._loop, name="kvmesh-saver", daemon=True)
-        self._thread.start()
+        self._worker: SerialThread[tuple[SaveSpec, Any]] = SerialThread(self._save, "kvmesh-saver")
 
     def submit(self, spec: SaveSpec, after: Any = None) -> None:
         """Queue ``spec``; its request's blocks stay held until the save has run.
@@ -52,7 +50,7 @@ class BackgroundSaver:
         with self._changed:
             self._pending[spec.req_id] = self._pending.get(spec.req_id, 0) + 1
             self._tracked.add(spec.req_id)
-        self._queue.put((spec, after))
+        self._worker.put((spec, after))
 
     def wait_for(self, req_ids: Iterable[str], timeout_s: float | None = None) -> bool:
         """Block until no save of ``req_ids`` is queued or running; ``False`` on timeout."""
@@ -75,22 +73,20 @@ class BackgroundSaver:
 
     def close(self, timeout_s: float) -> None:
         """Run the queued saves, then stop the thread (waits at most ``timeout_s``)."""
-        self._queue.put(None)
-        self._thread.join(timeout_s)
+        self._worker.close(timeout_s)
 
-    def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            spec, after = item
-            try:
-                self._run(spec, after)
-            except Exception:
-                self.num_failed += 1
-                _log.exception("kvmesh save of request %s failed; its blocks are released", spec.req_id)
-            finally:
-                with self._changed:
-                    left = self._pending[spec.req_id] - 1
-                    if left:
-                        self._pending[spec.req_id] = left
-                    else:
-                        del self._pending[spec.req_id]
-                    self._changed.notify_all()
+    def _save(self, item: tuple[SaveSpec, Any]) -> None:
+        spec, after = item
+        try:
+            self._run(spec, after)
+        except Exception:
+            self.num_failed += 1
+            _log.exception("kvmesh save of request %s failed; its blocks are released", spec.req_id)
+        finally:
+            with self._changed:
+                left = self._pending[spec.req_id] - 1
+                if left:
+                    self._pending[spec.req_id] = left
+                else:
+                    del self._pending[spec.req_id]
+                self._changed.notify_all()
