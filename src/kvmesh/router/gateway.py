@@ -81,6 +81,19 @@ _FORWARD_HEADERS = ("authorization", TENANT_HEADER, SESSION_HEADER)
 """Client headers sent on to the endpoint (``x-request-id`` too, set by the router)."""
 
 
+def forwarded_headers(request: web.BaseRequest) -> dict[str, str]:
+    """The headers of ``request``'s call to an endpoint: the client's that are passed on (the last
+    value of a repeated one) and the JSON content type."""
+    headers: dict[str, str] = {}
+    client = request.headers
+    for name in _FORWARD_HEADERS:
+        values = client.getall(name, None)
+        if values:
+            headers[name] = values[-1]
+    headers["Content-Type"] = "application/json"
+    return headers
+
+
 class Gateway:
     """One router instance: pool, index, intake, scheduler and the aiohttp app around them.
 
@@ -142,6 +155,8 @@ class Gateway:
             on_timing=self.metrics.observe_scorer,
             memo=self.memo,
         )
+        self._until_first_miss = not whole_prompt_needed(self.scheduler)
+        """Long prompts may be tokenized until their first miss (no scorer needs whole prompts)."""
         self.cache_report = CacheReporter(
             config.cache_report, self.scheduler, self._engine_block_size, memo=self.memo
         )
@@ -417,7 +432,7 @@ class Gateway:
                 model=self.model,
                 revision=self.revision,
                 api=api,
-                until_first_miss=not whole_prompt_needed(self.scheduler),
+                until_first_miss=self._until_first_miss,
             )
         except RequestError as exc:
             self.metrics.errors.labels("bad_request").inc()
@@ -482,8 +497,7 @@ class Gateway:
             return error_response(
                 503, "no healthy endpoint can serve this request", kind="service_unavailable"
             )
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
-        headers["Content-Type"] = "application/json"
+        headers = forwarded_headers(request)
         request_id = self.cache_report.request_id(request.headers.get(REQUEST_ID_HEADER))
         headers[REQUEST_ID_HEADER] = request_id
         note = self.cache_report.begin(

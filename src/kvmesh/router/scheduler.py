@@ -61,13 +61,13 @@ class _Ranked:
     weights: list[float] = field(default_factory=list)
     columns: list[list[float]] = field(default_factory=list)
 
-    @property
-    def terms(self) -> ScoreTerms:
-        return ScoreTerms(list(map(_POD_OF, self.candidates)), self.names, self.weights, self.columns)
-
-    @property
-    def scores(self) -> dict[PodId, float]:
-        return dict(zip(map(_POD_OF, self.candidates), self.totals, strict=True))
+    def terms_and_scores(self) -> tuple[ScoreTerms, dict[PodId, float]]:
+        """The per-scorer terms and the totals by endpoint, from one list of the candidates' ids."""
+        pods = list(map(_POD_OF, self.candidates))
+        return (
+            ScoreTerms(pods, self.names, self.weights, self.columns),
+            dict(zip(pods, self.totals, strict=True)),
+        )
 
 
 class Scheduler:
@@ -304,14 +304,15 @@ class Scheduler:
     ) -> Decision:
         target = result.ranked[0]
         assert request.prefix is not None, "pick() must fill request.prefix before deciding"
+        terms, scores = result.terms_and_scores()
         return Decision(
             endpoint=target,
             ranked=result.ranked,
-            scores=result.scores,
+            scores=scores,
             prefill=prefill,
             predicted_hit_tokens=request.prefix.hit_tokens(target),
             profile=profile,
-            terms=result.terms,
+            terms=terms,
         )
 
     def _run(
@@ -367,6 +368,12 @@ def combine_scores(columns: list[list[float]], weights: list[float], n: int) -> 
     div = weight_sum if weight_sum > 0 else 1.0
     # Every total is summed left to right from 0.0 and divided once, whatever the arity; the
     # common arities are spelled out because they run once per routed request.
+    if len(columns) == 5:  # the default preset
+        (a, b, c, d, e), (wa, wb, wc, wd, we) = columns, weights
+        return [
+            (0.0 + wa * x + wb * y + wc * z + wd * v + we * u) / div
+            for x, y, z, v, u in zip(a, b, c, d, e, strict=True)
+        ]
     if len(columns) == 4:
         (a, b, c, d), (wa, wb, wc, wd) = columns, weights
         return [

@@ -1,0 +1,158 @@
+"""Router CPU per request, and where it goes: ``kvmesh router`` under closed-loop load, profiled.
+
+    .venv/bin/python benchmarks/router_cpu_profile.py [--trees SRC[,SRC...]] [--rounds 3] [--profile]
+
+The same minimal backends as ``benchmarks/router_gateway.py`` (answer after 5 ms of waiting) and
+its ~500-token text prompts (8 shared system prefixes + distinct questions), sent by 32 closed-loop
+clients to one ``kvmesh router --policy precise --tokenizer smollm2`` per source tree. Several
+trees (``--trees /tmp/wt-before/src,src``) run side by side in one sitting, their rounds
+alternating, so a busy machine disturbs each alike. The figure is the router process's user+system
+CPU time per answered request (from /proc), which a shared machine disturbs far less than
+requests/s.
+
+``--profile`` runs each router under cProfile for the measured phase only (turned on and off by
+signal, so start-up and warm-up are not in it) and prints its functions by own time; the CPU
+figure of a profiled round is inflated by the profiler and is reported apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import pstats
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from router_gateway import MODEL, Procs, closed_loop, cpu_seconds, make_prompts, wait_http
+
+from kvmesh.core.net import free_port
+
+_PROFILE_ON, _PROFILE_OFF = signal.SIGUSR1, signal.SIGUSR2
+
+
+def serve_profiled_router(argv: list[str], profile_out: str) -> None:
+    """``kvmesh router`` with cProfile switched on by SIGUSR1 and off (stats written) by SIGUSR2."""
+    import cProfile
+
+    from kvmesh.cli import main as kvmesh_main
+
+    # CPU time of the serving thread, not wall time: on a shared machine a niced router is often
+    # descheduled mid-call (in a send that wakes its backend, say), which wall time would charge
+    # to whatever function it was in.
+    profiler = cProfile.Profile(time.thread_time)
+
+    def on(signum: int, frame: object) -> None:
+        profiler.enable()
+
+    def off(signum: int, frame: object) -> None:
+        profiler.disable()
+        profiler.dump_stats(profile_out)
+
+    signal.signal(_PROFILE_ON, on)
+    signal.signal(_PROFILE_OFF, off)
+    sys.exit(kvmesh_main(["router", *argv]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--serve-router", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--profile-out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--trees", default="", help="comma-separated src directories, one router each (default: installed)"
+    )
+    parser.add_argument("--backends", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=5.0)
+    parser.add_argument("--warmup-s", type=float, default=2.0)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=500)
+    parser.add_argument("--num-prompts", type=int, default=2000)
+    parser.add_argument(
+        "--router-args",
+        default="--policy precise --tokenizer smollm2",
+        help="kvmesh router flags besides endpoints, port and model",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="add one profiled round per tree and print its top functions"
+    )
+    parser.add_argument("--top", type=int, default=40)
+    args = parser.parse_args(argv)
+    if args.serve_router is not None:
+        serve_profiled_router(args.serve_router.split(), args.profile_out)
+        return 0
+
+    trees = [t for t in args.trees.split(",") if t] or [""]
+    gateway_script = str(Path(__file__).resolve().parent / "router_gateway.py")
+    procs = Procs()
+    tmp = Path(tempfile.mkdtemp(prefix="kvmesh-cpu-profile-"))
+    cpu_ms: dict[str, list[float]] = {t: [] for t in trees}
+    rps: dict[str, list[float]] = {t: [] for t in trees}
+    try:
+        backend_urls = []
+        for _ in range(args.backends):
+            port = free_port()
+            procs.start([sys.executable, gateway_script, "--serve-backend", str(port)])
+            backend_urls.append(f"http://127.0.0.1:{port}")
+        for url in backend_urls:
+            wait_http(f"{url}/health", 30)
+        routers: dict[str, tuple[str, int, Path]] = {}
+        for i, tree in enumerate(trees):
+            port = free_port()
+            env = dict(os.environ, HF_HUB_OFFLINE="1")
+            if tree:
+                env["PYTHONPATH"] = str(Path(tree).resolve())
+            router_args = (
+                f"--endpoints {','.join(backend_urls)} --port {port} --model {MODEL} --log-level warning "
+                + args.router_args
+            )
+            out = tmp / f"router-{i}.prof"
+            proc = procs.start(
+                [sys.executable, __file__, "--serve-router", router_args, "--profile-out", str(out)], env=env
+            )
+            wait_http(f"http://127.0.0.1:{port}/health", 120)
+            routers[tree] = (f"http://127.0.0.1:{port}", proc.pid, out)
+        prompts = make_prompts(args.num_prompts, prompt_tokens=args.prompt_tokens)
+        for _ in range(args.rounds):
+            for tree, (url, pid, _) in routers.items():
+                asyncio.run(closed_loop([url], prompts, 4, args.warmup_s))
+                before = cpu_seconds(pid)
+                result = asyncio.run(closed_loop([url], prompts, args.concurrency, args.duration))
+                used = cpu_seconds(pid) - before
+                served = result["rps"] * args.duration
+                cpu_ms.setdefault(tree, []).append(1e3 * used / served)
+                rps[tree].append(result["rps"])
+        for tree, (url, pid, out) in routers.items() if args.profile else ():
+            asyncio.run(closed_loop([url], prompts, 4, args.warmup_s))
+            os.kill(pid, _PROFILE_ON)
+            before = cpu_seconds(pid)
+            result = asyncio.run(closed_loop([url], prompts, args.concurrency, args.duration))
+            used = cpu_seconds(pid) - before
+            os.kill(pid, _PROFILE_OFF)
+            deadline = time.monotonic() + 30
+            while not out.exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            served = result["rps"] * args.duration
+            print(f"\n=== {tree or 'installed'}: profiled round, {1e3 * used / served:.3f} ms CPU/request "
+                  f"(profiler included), {served:.0f} requests; per-request times = tottime / {served:.0f}")  # fmt: skip
+            time.sleep(0.5)  # the stats file is written by a signal handler; let it finish
+            pstats.Stats(str(out)).sort_stats("tottime").print_stats(args.top)
+    finally:
+        procs.stop_all()
+    print("\nrouter CPU ms/request (one figure per round), median; req/s median")
+    for tree in trees:
+        print(f"  {tree or 'installed'}: {', '.join(f'{c:.3f}' for c in cpu_ms[tree])} -> median "
+              f"{statistics.median(cpu_ms[tree]):.3f} ms; {statistics.median(rps[tree]):.0f} req/s")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
