@@ -86,13 +86,13 @@ class CacheUsage:
         """Read an OpenAI ``usage`` object (chat and completions, or ``/v1/responses``'
         ``input_tokens``) or an Anthropic one (``cache_read_input_tokens``); ``None`` when it has
         no integer cached-token count."""
-        if not isinstance(usage, Mapping):
+        if not isinstance(usage, dict) and not isinstance(usage, Mapping):  # dicts skip the ABC check
             return None
         if "cache_read_input_tokens" in usage:
             return _anthropic_usage(usage)
         responses = "input_tokens_details" in usage
         details = usage.get("input_tokens_details" if responses else "prompt_tokens_details")
-        if not isinstance(details, Mapping):
+        if not isinstance(details, dict) and not isinstance(details, Mapping):
             return None
         cached = details.get("cached_tokens")
         if type(cached) is not int or cached < 0:

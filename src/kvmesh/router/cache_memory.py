@@ -187,7 +187,10 @@ def prompt_texts(body: dict[str, Any], *, chat: bool) -> list[str]:
 def text_prints(seed: bytes, texts: Sequence[str]) -> list[bytes]:
     """Fingerprints of the texts' leading bytes at 256, 512, 1024, ... bytes and at their end,
     shortest first; each is seeded with ``seed`` (the namespace root key)."""
-    data = _SEPARATOR.join(t.encode("utf-8", "surrogatepass") for t in texts)
+    if len(texts) == 1:  # a completion's prompt: no join, no second copy
+        data = texts[0].encode("utf-8", "surrogatepass")
+    else:
+        data = _SEPARATOR.join([t.encode("utf-8", "surrogatepass") for t in texts])
     if len(data) < MIN_PRINT_BYTES:
         return []
     view = memoryview(data)

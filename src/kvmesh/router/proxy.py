@@ -146,7 +146,7 @@ class UpstreamProxy:
                 self.metrics.errors.labels("upstream").inc()
                 return error_response(502, f"endpoint {pod} failed: {exc}", kind="upstream_error")
             self.metrics.count_decision(pod)
-            if pod == decision.endpoint:
+            if pod == decision.endpoint and decision.predicted_hit_tokens:
                 self.metrics.predicted_hit_tokens.inc(decision.predicted_hit_tokens)
             try:
                 return await self._relay(request, upstream, pod, rid, response_headers, note)
