@@ -3,7 +3,7 @@
 The gateway opens a :class:`CacheNote` when a request is routed; the proxy settles it with what
 the engine reported::
 
-    begin(routing, decision, tenant, texts)          at routing time: nothing computed yet
+    begin(routing, decision, tenant, texts)          at routing time: the text fingerprinted
     header_verdict(note, pod, engine figures|None)   header of the answer (a prediction when the
                                                      engine's figures are not known yet)
     finish(note, pod, engine figures|None)           at the end: the realized verdict, counted
@@ -121,9 +121,13 @@ class CacheReporter:
     def begin(
         self, request_id: str, tenant: str, routing: RoutingRequest, decision: Decision, texts: list[str]
     ) -> CacheNote:
-        """Open the note of a routed request (nothing is computed until it is settled)."""
+        """Open the note of a routed request; its text is fingerprinted now, the rest when it is
+        settled."""
         note = CacheNote(request_id, tenant, routing, decision, texts, time.time(), self.clock())
         note.prompt_tokens, note.prefix = routing.num_tokens, routing.prefix
+        # Every settled note needs the prints. Taken now, while the request's text is still in the
+        # CPU's caches: at the answer, after other requests ran, the same work measured 2-3x slower.
+        self._prints(note)
         return note
 
     def header_verdict(self, note: CacheNote, pod: PodId, usage: CacheUsage | None) -> CacheVerdict:
