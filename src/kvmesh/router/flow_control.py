@@ -331,6 +331,8 @@ class FlowController(Generic[T]):
 
     def top_rank(self) -> tuple[int, bool] | None:
         """The highest band (priority, continuing) with a queued request (``None``: none)."""
+        if not self._bands:  # emptied bands are deleted: nothing is queued (every request asks)
+            return None
         return max((r for r, band in self._bands.items() if band.num_queued), default=None)
 
     def next_ready(self, now: float, fits: Callable[[T], bool]) -> Ticket[T] | None:

@@ -337,8 +337,12 @@ class TTFTEstimateScorer:
 
     def estimate(self, request: RoutingRequest, endpoint: EndpointState) -> float:
         """Seconds until ``endpoint`` would emit the first token of ``request``."""
+        return self._estimate(request.prefix, request.num_tokens, self.kv_price.enabled, endpoint)
+
+    def _estimate(
+        self, prefix: PrefixMatch | None, num: int, kv_priced: bool, endpoint: EndpointState
+    ) -> float:
         transfer = 0.0
-        prefix = request.prefix
         cached = 0
         bytes_per_token = endpoint.kv_bytes_per_token or self.kv_bytes_per_token
         if prefix is not None:
@@ -353,7 +357,6 @@ class TTFTEstimateScorer:
         budget = self.max_batched_tokens
         share = max(budget - endpoint.running, budget * 0.1) / budget
         spt = self.seconds_per_token(endpoint) / share
-        num = request.num_tokens
         context = self.attention_context_tokens(endpoint)
         if context > 0:
             start = min(cached, num - 1)  # a full hit still computes the last token
@@ -361,12 +364,13 @@ class TTFTEstimateScorer:
         else:
             own = max(num - cached, 1)
         queue = max(endpoint.pending_prefill_tokens * spt, endpoint.waiting * self.queued_request_s)
-        if self.kv_price.enabled:
+        if kv_priced:
             queue += self.kv_price.seconds(endpoint, num, num - cached, spt)
         return transfer + queue + own * spt
 
     def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
-        estimates = [self.estimate(request, e) for e in endpoints]
+        prefix, num, kv_priced = request.prefix, request.num_tokens, self.kv_price.enabled
+        estimates = [self._estimate(prefix, num, kv_priced, e) for e in endpoints]
         if not estimates:
             return []
         best = min(estimates)
