@@ -65,11 +65,11 @@ def test_a_busy_holder_keeps_its_session_when_the_copy_waits_for_kv_and_evicts()
     assert scores == [1.0, pytest.approx(1.196 / 2.136)]  # stays
 
 
-def test_the_default_profile_prices_what_a_copy_evicts():
+def test_the_default_profile_prices_what_a_copy_evicts_and_the_wait_for_free_kv():
     config = load_scheduler_config("precise")
     s = Scheduler.from_config(config, index=InMemoryIndex(capacity=None), rng=random.Random(0))
     ttft = next(w.scorer for w in s.profiles["default"].scorers if isinstance(w.scorer, TTFTEstimateScorer))
-    assert ttft.kv_price == KVAdmissionPrice(turnover_s=0.0, evict_weight=0.5)
+    assert ttft.kv_price == KVAdmissionPrice(turnover_s=0.0, evict_weight=0.5, learned_wait=True)
     config["plugins"][0]["parameters"]["kvTurnoverSeconds"] = 8
     config["plugins"][0]["parameters"]["kvWaitLearned"] = True
     s = Scheduler.from_config(config, index=InMemoryIndex(capacity=None), rng=random.Random(0))

@@ -89,6 +89,6 @@ def test_the_ledger_publishes_the_kv_of_prompts_not_yet_started_and_learns_relea
     assert state.pending_kv_tokens == 50
     ledger.finished("b")
     assert state.pending_kv_tokens == 0
-    ledger.released(state, 1000, 2.0)
-    ledger.released(state, 1000, 3.0)
+    ledger.released("a", state, 1000, 2.0)
+    ledger.released("b", state, 1000, 3.0)
     assert state.kv_release_tokens_per_s > 0.0

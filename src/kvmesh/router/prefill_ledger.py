@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.core.types import PodId
+from kvmesh.router.kv_forecast import KVReleaseForecast
 from kvmesh.router.kv_release import KVReleaseRates
 from kvmesh.router.prefill_speed import (
     DEFAULT_DECAY,
@@ -127,6 +128,8 @@ class PrefillLedger:
         self._backlogs: dict[PodId, _Backlog] = {}
         self.kv_release = KVReleaseRates()
         """How fast each endpoint frees device KV, from the requests seen to end there."""
+        self.kv_forecast = KVReleaseForecast()
+        """When each endpoint's running answers free their KV."""
 
     def __len__(self) -> int:
         return len(self._open)
@@ -145,6 +148,7 @@ class PrefillLedger:
         """Drain every endpoint's remaining work by what it computed since the last refresh (and
         age the KV release rates)."""
         self.kv_release.refresh(now)
+        self.kv_forecast.refresh(now)
         spt = self._learned[0]
         for backlog in self._backlogs.values():
             if spt > 0 and backlog.left > 0:
@@ -181,7 +185,10 @@ class PrefillLedger:
     def first_token(self, request_id: str, now: float) -> None:
         """The request's first token arrived: its work is done and its wait is a speed sample."""
         entry = self._release(request_id)
-        if entry is None or not self.learn:
+        if entry is None:
+            return
+        self.kv_forecast.started(entry.backlog.state, request_id, entry.kv_tokens, now)
+        if not self.learn:
             return
         prior = self.attention_context
         ahead = entry.ahead
@@ -200,10 +207,12 @@ class PrefillLedger:
         for backlog in self._backlogs.values():
             backlog.state.seconds_per_prefill_token, backlog.state.attention_context_tokens = learned
 
-    def released(self, state: EndpointState, prompt_tokens: int, now: float) -> None:
-        """A request whose prompt held ``prompt_tokens`` of device KV ended at ``state``'s
-        endpoint (its answer is over): the KV it frees teaches the endpoint's release rate."""
+    def released(self, request_id: str, state: EndpointState, prompt_tokens: int, now: float) -> None:
+        """``request_id``, whose prompt held ``prompt_tokens`` of device KV, ended at ``state``'s
+        endpoint (its answer is over): the KV it frees teaches the endpoint's release rate, and its
+        duration the release forecast."""
         self.kv_release.released(state, prompt_tokens, now)
+        self.kv_forecast.ended(state, request_id, now)
 
     def finished(self, request_id: str) -> None:
         """The request ended (or failed) without a first-token sample: release its work."""

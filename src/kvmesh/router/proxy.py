@@ -154,7 +154,7 @@ class UpstreamProxy:
                 upstream.release()
                 pool.end_request(pod)
                 ledger.finished(rid)
-                ledger.released(endpoint.state, routing.num_tokens, time.perf_counter())
+                ledger.released(rid, endpoint.state, routing.num_tokens, time.perf_counter())
         self.metrics.errors.labels("unreachable").inc()
         return error_response(502, f"no endpoint could be reached ({last_error})", kind="upstream_error")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Protocol, TypeAlias
 
 import numpy as np
 
@@ -20,6 +20,18 @@ from kvmesh.router.lora_state import LoraState
 
 PromptTokens: TypeAlias = Sequence[int] | np.ndarray
 """Prompt token ids: the gateway's u32 array (converted once, when the request is parsed) or a list."""
+
+
+class KVReleases(Protocol):
+    """When an endpoint's running requests give their KV back (:mod:`kvmesh.router.kv_forecast`)."""
+
+    def held_ratio(self) -> float:
+        """The engine's KV fill over the sum of its running prompts (at most 1)."""
+        ...
+
+    def wait(self, short: float, rate: float) -> float | None:
+        """Seconds until ``short`` tokens are free (``None``: no forecast)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -50,6 +62,8 @@ class EndpointState:
             ``vllm:cache_config_info``); 0 unknown.
         kv_release_tokens_per_s: device KV tokens the endpoint's requests released per second
             lately, as this router saw them end (:mod:`kvmesh.router.kv_release`); 0 unknown.
+        kv_releases: when the answers running there release their KV, as this router saw them
+            start (:mod:`kvmesh.router.kv_forecast`); ``None``: none seen.
         lora: the endpoint's LoRA adapters (``vllm:lora_requests_info``, ``/v1/models``); ``None``
             when it reports none.
     """
@@ -68,6 +82,7 @@ class EndpointState:
     kv_bytes_per_token: int = 0
     kv_capacity_tokens: int = 0
     kv_release_tokens_per_s: float = 0.0
+    kv_releases: KVReleases | None = None
     lora: LoraState | None = None
 
 

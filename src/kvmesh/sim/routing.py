@@ -265,4 +265,7 @@ class SimRouter:
             state = self._states[req.gateway][req.replica]
             state.in_flight -= 1
             if req.finish >= 0:
-                self._ledgers[req.gateway].released(state, req.prompt_len, req.finish)
+                ledger = self._ledgers[req.gateway]
+                if req.first_token >= 0:  # not settled yet if no decision came since
+                    ledger.first_token(req.request_id, req.first_token)
+                ledger.released(req.request_id, state, req.prompt_len, req.finish)

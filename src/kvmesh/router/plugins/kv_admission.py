@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.router.plugins.base import Params
-from kvmesh.router.types import EndpointState
+from kvmesh.router.types import EndpointState, KVReleases
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,25 +51,43 @@ class KVAdmissionPrice:
     def enabled(self) -> bool:
         return self.turnover_s > 0.0 or self.evict_weight > 0.0 or self.learned_wait
 
-    def seconds(self, endpoint: EndpointState, num_tokens: int, new_tokens: int, spt: float) -> float:
+    def seconds(
+        self, endpoint: EndpointState, num_tokens: int, new_tokens: int, spt: float, *, wait: bool = True
+    ) -> float:
         """The KV cost of ``num_tokens`` (``new_tokens`` not cached there) on ``endpoint``.
 
         Free KV is what running requests do not hold (``kv_cache_usage``, as vLLM counts it: idle
         cached blocks are free, and taking them is the eviction); the prompts this router sent
         there that have not started take theirs first (``pending_kv_tokens``). Unknown capacity
-        prices nothing.
+        prices nothing. ``wait=False`` leaves the learned wait out (a shared prefix's request:
+        :mod:`kvmesh.router.plugins.shared_prefix_ends`).
         """
         capacity = endpoint.kv_capacity_tokens
         if capacity <= 0:
             return 0.0
+        evict = self.evict_weight * new_tokens * spt
+        if not wait and self.learned_wait:
+            return evict
         free = (1.0 - endpoint.kv_cache_usage) * capacity
-        short = min(num_tokens + endpoint.pending_kv_tokens, capacity) - free
-        return self._wait(endpoint, short) + self.evict_weight * new_tokens * spt
-
-    def _wait(self, endpoint: EndpointState, short: float) -> float:
+        releases = endpoint.kv_releases
+        if self.learned_wait:
+            # cached blocks that running prompts share are held already; idle ones are taken back
+            ratio = 1.0 if releases is None else releases.held_ratio()
+            need = new_tokens + (num_tokens - new_tokens) * ratio + endpoint.pending_kv_tokens * ratio
+        else:
+            need = num_tokens + endpoint.pending_kv_tokens
+        short = min(need, capacity) - free
         if short <= 0.0:
-            return 0.0
-        rate = endpoint.kv_release_tokens_per_s
-        if self.learned_wait and rate > 0.0:
-            return short / rate
+            return evict
+        return self._wait(endpoint, short, releases) + evict
+
+    def _wait(self, endpoint: EndpointState, short: float, releases: KVReleases | None) -> float:
+        if self.learned_wait:
+            rate = endpoint.kv_release_tokens_per_s
+            if releases is not None:
+                wait = releases.wait(short, rate)
+                if wait is not None:
+                    return wait
+            if rate > 0.0:
+                return short / rate
         return short / endpoint.kv_capacity_tokens * self.turnover_s

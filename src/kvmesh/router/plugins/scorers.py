@@ -15,6 +15,7 @@ from kvmesh.errors import ConfigError
 from kvmesh.router.known_prefix import prompt_block_keys
 from kvmesh.router.plugins.base import Params, PluginContext, Scorer
 from kvmesh.router.plugins.kv_admission import KVAdmissionPrice
+from kvmesh.router.plugins.shared_prefix_ends import SharedPrefixEnds
 from kvmesh.router.prefill_speed import DEFAULT_MAX_CONTEXT_RATIO, prefill_work
 from kvmesh.router.prefix import DEFAULT_TIER_WEIGHTS, weighted_blocks
 from kvmesh.router.types import EndpointState, PrefixMatch, RoutingRequest
@@ -317,6 +318,8 @@ class TTFTEstimateScorer:
     """Whether the router's prefill ledger learns the attention context (``prefill_ledger_of``)."""
     max_context_ratio: float = DEFAULT_MAX_CONTEXT_RATIO
     kv_price: KVAdmissionPrice = field(default_factory=KVAdmissionPrice)
+    shared_ends: SharedPrefixEnds = field(default_factory=SharedPrefixEnds)
+    """Tells a hot shared prefix (not worth a second replica to skip a KV wait) from a session's own."""
 
     def seconds_per_token(self, endpoint: EndpointState) -> float:
         prior = 1.0 / self.prefill_tokens_per_s
@@ -335,12 +338,14 @@ class TTFTEstimateScorer:
         ratio = self.max_context_ratio
         return min(max(learned, prior / ratio), prior * ratio)
 
-    def estimate(self, request: RoutingRequest, endpoint: EndpointState) -> float:
-        """Seconds until ``endpoint`` would emit the first token of ``request``."""
-        return self._estimate(request.prefix, request.num_tokens, self.kv_price.enabled, endpoint)
+    def estimate(self, request: RoutingRequest, endpoint: EndpointState, *, kv_wait: bool = True) -> float:
+        """Seconds until ``endpoint`` would emit the first token of ``request`` (``kv_wait``: with
+        the learned wait for free KV, where the price has one)."""
+        kv_priced = self.kv_price.enabled
+        return self._estimate(request.prefix, request.num_tokens, kv_priced, kv_wait, endpoint)
 
     def _estimate(
-        self, prefix: PrefixMatch | None, num: int, kv_priced: bool, endpoint: EndpointState
+        self, prefix: PrefixMatch | None, num: int, kv_priced: bool, kv_wait: bool, endpoint: EndpointState
     ) -> float:
         transfer = 0.0
         cached = 0
@@ -365,12 +370,13 @@ class TTFTEstimateScorer:
             own = max(num - cached, 1)
         queue = max(endpoint.pending_prefill_tokens * spt, endpoint.waiting * self.queued_request_s)
         if kv_priced:
-            queue += self.kv_price.seconds(endpoint, num, num - cached, spt)
+            queue += self.kv_price.seconds(endpoint, num, num - cached, spt, wait=kv_wait)
         return transfer + queue + own * spt
 
     def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
         prefix, num, kv_priced = request.prefix, request.num_tokens, self.kv_price.enabled
-        estimates = [self._estimate(prefix, num, kv_priced, e) for e in endpoints]
+        kv_wait = not (self.kv_price.learned_wait and self.shared_ends.shared(request))
+        estimates = [self._estimate(prefix, num, kv_priced, kv_wait, e) for e in endpoints]
         if not estimates:
             return []
         best = min(estimates)
