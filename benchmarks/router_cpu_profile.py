@@ -1,14 +1,16 @@
 """Router CPU per request, and where it goes: ``kvmesh router`` under closed-loop load, profiled.
 
-    .venv/bin/python benchmarks/router_cpu_profile.py [--trees SRC[,SRC...]] [--rounds 3] [--profile]
+    .venv/bin/python benchmarks/router_cpu_profile.py [--trees SRC[,SRC...]] [--router-args FLAGS]...
+        [--passthrough] [--rounds 3] [--profile]
 
 The same minimal backends as ``benchmarks/router_gateway.py`` (answer after 5 ms of waiting) and
 its ~500-token text prompts (8 shared system prefixes + distinct questions), sent by 32 closed-loop
 clients to one ``kvmesh router --policy precise --tokenizer smollm2`` per source tree. Several
-trees (``--trees /tmp/wt-before/src,src``) run side by side in one sitting, their rounds
-alternating, so a busy machine disturbs each alike. The figure is the router process's user+system
-CPU time per answered request (from /proc), which a shared machine disturbs far less than
-requests/s.
+trees (``--trees /tmp/wt-before/src,src``) and flag sets (``--router-args`` repeated) run side by
+side in one sitting, their rounds alternating, so a busy machine disturbs each alike;
+``--passthrough`` adds the aiohttp floor of ``router_gateway.py``. The figure is the router
+process's user+system CPU time per answered request (from /proc), which a shared machine disturbs
+far less than requests/s.
 
 ``--profile`` runs each router under cProfile for the measured phase only (turned on and off by
 signal, so start-up and warm-up are not in it) and prints its functions by own time; the CPU
@@ -78,11 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=2000)
     parser.add_argument(
         "--router-args",
-        default="--policy precise --tokenizer smollm2",
-        help="kvmesh router flags besides endpoints, port and model",
+        action="append",
+        default=None,
+        help="kvmesh router flags besides endpoints, port and model (repeat: one router per tree and "
+        "flag set; default: --policy precise --tokenizer smollm2)",
     )
     parser.add_argument(
-        "--profile", action="store_true", help="add one profiled round per tree and print its top functions"
+        "--passthrough",
+        action="store_true",
+        help="add the aiohttp pass-through floor (no parsing, no routing)",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="add one profiled round per router and print its top functions"
     )
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args(argv)
@@ -91,11 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     trees = [t for t in args.trees.split(",") if t] or [""]
+    flag_sets = args.router_args or ["--policy precise --tokenizer smollm2"]
     gateway_script = str(Path(__file__).resolve().parent / "router_gateway.py")
     procs = Procs()
     tmp = Path(tempfile.mkdtemp(prefix="kvmesh-cpu-profile-"))
-    cpu_ms: dict[str, list[float]] = {t: [] for t in trees}
-    rps: dict[str, list[float]] = {t: [] for t in trees}
+    routers: dict[str, tuple[str, int, Path | None]] = {}
+    """label -> (URL, pid, where its profile is written; None: not a kvmesh router)"""
     try:
         backend_urls = []
         for _ in range(args.backends):
@@ -104,33 +114,56 @@ def main(argv: list[str] | None = None) -> int:
             backend_urls.append(f"http://127.0.0.1:{port}")
         for url in backend_urls:
             wait_http(f"{url}/health", 30)
-        routers: dict[str, tuple[str, int, Path]] = {}
-        for i, tree in enumerate(trees):
+        for tree in trees:
+            for flags in flag_sets:
+                port = free_port()
+                env = dict(os.environ, HF_HUB_OFFLINE="1")
+                if tree:
+                    env["PYTHONPATH"] = str(Path(tree).resolve())
+                router_args = (
+                    f"--endpoints {','.join(backend_urls)} --port {port} --model {MODEL} --log-level warning "
+                    + flags
+                )
+                out = tmp / f"router-{len(routers)}.prof"
+                proc = procs.start(
+                    [sys.executable, __file__, "--serve-router", router_args, "--profile-out", str(out)],
+                    env=env,
+                )
+                wait_http(f"http://127.0.0.1:{port}/health", 120)
+                label = (tree or "installed") + (f" [{flags}]" if len(flag_sets) > 1 else "")
+                routers[label] = (f"http://127.0.0.1:{port}", proc.pid, out)
+        if args.passthrough:
             port = free_port()
-            env = dict(os.environ, HF_HUB_OFFLINE="1")
-            if tree:
-                env["PYTHONPATH"] = str(Path(tree).resolve())
-            router_args = (
-                f"--endpoints {','.join(backend_urls)} --port {port} --model {MODEL} --log-level warning "
-                + args.router_args
-            )
-            out = tmp / f"router-{i}.prof"
             proc = procs.start(
-                [sys.executable, __file__, "--serve-router", router_args, "--profile-out", str(out)], env=env
+                [
+                    sys.executable,
+                    gateway_script,
+                    "--serve-passthrough",
+                    str(port),
+                    "--upstreams",
+                    ",".join(backend_urls),
+                ]
             )
-            wait_http(f"http://127.0.0.1:{port}/health", 120)
-            routers[tree] = (f"http://127.0.0.1:{port}", proc.pid, out)
+            wait_http(f"http://127.0.0.1:{port}/health", 30)
+            routers["aiohttp pass-through (floor)"] = (f"http://127.0.0.1:{port}", proc.pid, None)
+        cpu_ms: dict[str, list[float]] = {label: [] for label in routers}
+        rps: dict[str, list[float]] = {label: [] for label in routers}
         prompts = make_prompts(args.num_prompts, prompt_tokens=args.prompt_tokens)
-        for _ in range(args.rounds):
-            for tree, (url, pid, _) in routers.items():
+        labels = list(routers)
+        for round_no in range(args.rounds):
+            # Each round starts with the next router: none is always first (or right after another).
+            for label in labels[round_no % len(labels) :] + labels[: round_no % len(labels)]:
+                url, pid, _ = routers[label]
                 asyncio.run(closed_loop([url], prompts, 4, args.warmup_s))
                 before = cpu_seconds(pid)
                 result = asyncio.run(closed_loop([url], prompts, args.concurrency, args.duration))
                 used = cpu_seconds(pid) - before
                 served = result["rps"] * args.duration
-                cpu_ms.setdefault(tree, []).append(1e3 * used / served)
-                rps[tree].append(result["rps"])
-        for tree, (url, pid, out) in routers.items() if args.profile else ():
+                cpu_ms[label].append(1e3 * used / served)
+                rps[label].append(result["rps"])
+        for label, (url, pid, out) in routers.items() if args.profile else ():
+            if out is None:
+                continue
             asyncio.run(closed_loop([url], prompts, 4, args.warmup_s))
             os.kill(pid, _PROFILE_ON)
             before = cpu_seconds(pid)
@@ -141,16 +174,17 @@ def main(argv: list[str] | None = None) -> int:
             while not out.exists() and time.monotonic() < deadline:
                 time.sleep(0.2)
             served = result["rps"] * args.duration
-            print(f"\n=== {tree or 'installed'}: profiled round, {1e3 * used / served:.3f} ms CPU/request "
+            print(f"\n=== {label}: profiled round, {1e3 * used / served:.3f} ms CPU/request "
                   f"(profiler included), {served:.0f} requests; per-request times = tottime / {served:.0f}")  # fmt: skip
             time.sleep(0.5)  # the stats file is written by a signal handler; let it finish
             pstats.Stats(str(out)).sort_stats("tottime").print_stats(args.top)
     finally:
         procs.stop_all()
-    print("\nrouter CPU ms/request (one figure per round), median; req/s median")
-    for tree in trees:
-        print(f"  {tree or 'installed'}: {', '.join(f'{c:.3f}' for c in cpu_ms[tree])} -> median "
-              f"{statistics.median(cpu_ms[tree]):.3f} ms; {statistics.median(rps[tree]):.0f} req/s")  # fmt: skip
+    print("\nrouter CPU ms/request (one figure per round): median, mean; req/s median")
+    for label in routers:
+        runs = cpu_ms[label]
+        print(f"  {label}: {', '.join(f'{c:.3f}' for c in runs)} -> median {statistics.median(runs):.3f}, "
+              f"mean {statistics.fmean(runs):.3f} ms; {statistics.median(rps[label]):.0f} req/s")  # fmt: skip
     return 0
 
 

@@ -217,7 +217,7 @@ class CacheReporter:
             routing = note.routing
             assert routing is not None, "a finished note was settled again"
             note.prints = ([], None)
-            if note.texts:
+            if note.texts and self.prints.capacity:  # without a memory the prints answer nothing
                 hasher = self.scheduler.hasher(routing.namespace)
                 prints = text_prints(hasher.root, note.texts)
                 if prints and hasher.num_full_blocks(routing.num_tokens):
