@@ -18,7 +18,7 @@ from kvmesh.router.flow_control import (
     continues_cached_work,
 )
 from kvmesh.router.index import InMemoryIndex
-from kvmesh.router.plugins.scorers import TTFTEstimateScorer
+from kvmesh.router.plugins.ttft_estimate import TTFTEstimateScorer
 from kvmesh.router.scheduler import Scheduler, load_scheduler_config
 from kvmesh.router.types import EndpointState, PodMatch, PrefixMatch, RoutingRequest
 

@@ -10,7 +10,7 @@ from kvmesh.core.hashing import Namespace
 from kvmesh.core.types import Medium, PodId
 from kvmesh.router.index import InMemoryIndex
 from kvmesh.router.plugins.kv_admission import KVAdmissionPrice
-from kvmesh.router.plugins.scorers import TTFTEstimateScorer
+from kvmesh.router.plugins.ttft_estimate import TTFTEstimateScorer
 from kvmesh.router.scheduler import Scheduler, load_scheduler_config
 from kvmesh.router.types import EndpointState, PodMatch, PrefixMatch, RoutingRequest
 

@@ -14,7 +14,7 @@ from kvmesh.errors import ConfigError
 from kvmesh.router.index import InMemoryIndex
 from kvmesh.router.metrics import EndpointLoadCollector
 from kvmesh.router.plugins.registry import prefill_ledger_of
-from kvmesh.router.plugins.scorers import TTFTEstimateScorer
+from kvmesh.router.plugins.ttft_estimate import TTFTEstimateScorer
 from kvmesh.router.prefill_ledger import PrefillLedger
 from kvmesh.router.prefill_speed import (
     DEFAULT_MAX_CONTEXT_RATIO,

@@ -20,7 +20,7 @@ from kvmesh.router.plugins.registry import (
     attention_context_of,
     canonical_type,
 )
-from kvmesh.router.plugins.scorers import TTFTEstimateScorer
+from kvmesh.router.plugins.ttft_estimate import TTFTEstimateScorer
 from kvmesh.router.scheduler import PRESET_NAMES, Scheduler, WeightedScorer, load_scheduler_config
 from kvmesh.router.types import EndpointState, PodMatch, PrefixMatch, Role, RoutingRequest
 

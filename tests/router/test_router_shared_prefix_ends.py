@@ -8,8 +8,8 @@ import pytest
 from kvmesh.core.hashing import Namespace
 from kvmesh.core.types import Medium, PodId
 from kvmesh.router.plugins.kv_admission import KVAdmissionPrice
-from kvmesh.router.plugins.scorers import TTFTEstimateScorer
 from kvmesh.router.plugins.shared_prefix_ends import SharedPrefixEnds
+from kvmesh.router.plugins.ttft_estimate import TTFTEstimateScorer
 from kvmesh.router.types import EndpointState, PodMatch, PrefixMatch, RoutingRequest
 
 HOLDER, OTHER = PodId("http://holder:1"), PodId("http://other:1")
@@ -37,7 +37,7 @@ def test_a_sessions_turns_are_private_and_chats_on_one_prompt_are_shared():
     assert all(ends.shared(request(chat, 8)) for chat in chats)
     other_system = [list(range(90_000 + 100 * i, 90_000 + 100 * i + 5 * BLOCK)) for i in range(3)]
     assert not ends.shared(request(other_system[0], 4))
-    assert ends.shared(request(other_system[0][: 4 * BLOCK] + other_system[1][: BLOCK], 4))
+    assert ends.shared(request(other_system[0][: 4 * BLOCK] + other_system[1][:BLOCK], 4))
     # a prompt nothing holds is not shared, however often it comes
     assert not ends.shared(request(chats[0], 0))
     assert not ends.shared(request(chats[0], 0))

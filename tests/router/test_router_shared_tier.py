@@ -9,7 +9,8 @@ from kvmesh.core.hashing import BlockHasher, Namespace
 from kvmesh.core.types import Medium, PodId
 from kvmesh.router.index import SHARED_TIER_HOLDER, InMemoryIndex
 from kvmesh.router.ingest import EventApplier
-from kvmesh.router.plugins.scorers import ApproximatePrefixScorer, PrecisePrefixScorer, TTFTEstimateScorer
+from kvmesh.router.plugins.scorers import ApproximatePrefixScorer, PrecisePrefixScorer
+from kvmesh.router.plugins.ttft_estimate import TTFTEstimateScorer
 from kvmesh.router.prefix import match_prefix
 from kvmesh.router.types import EndpointState, PrefixMatch, RoutingRequest
 

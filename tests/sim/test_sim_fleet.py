@@ -9,7 +9,7 @@ from sim_helpers import ListWorkload, spec, tokens
 
 from kvmesh.engine.cost_model import CostModel, get_preset
 from kvmesh.errors import ConfigError
-from kvmesh.router.plugins.scorers import TTFTEstimateScorer
+from kvmesh.router.plugins.ttft_estimate import TTFTEstimateScorer
 from kvmesh.router.types import EndpointState, RoutingRequest
 from kvmesh.sim.fleet import FleetConfig, FleetSimulation, simulate
 from kvmesh.sim.report import build_report

@@ -39,7 +39,7 @@ from kvmesh.router.index import BlockIndex
 from kvmesh.router.keymemo import BlockKeyMemo
 from kvmesh.router.plugins.base import PluginContext
 from kvmesh.router.plugins.pickers import MaxScorePicker
-from kvmesh.router.plugins.scorers import TTFTEstimateScorer
+from kvmesh.router.plugins.ttft_estimate import TTFTEstimateScorer
 from kvmesh.router.prefix import match_prefix, match_prefix_keys
 from kvmesh.router.scheduler_config import DEFAULT_PROFILE, PDConfig, Profile, parse_config
 from kvmesh.router.scheduler_config import PRESET_NAMES as PRESET_NAMES

@@ -29,7 +29,7 @@ from types import UnionType
 from typing import Any, Protocol, runtime_checkable
 
 from kvmesh.core.hashing import DEFAULT_BLOCK_SIZE, HashAlgo
-from kvmesh.core.types import PodId
+from kvmesh.core.types import Medium, PodId
 from kvmesh.errors import ConfigError
 from kvmesh.router.types import EndpointState, RoutingRequest
 
@@ -191,3 +191,21 @@ class Params:
         unknown = sorted(set(self.raw) - self._used)
         if unknown:
             raise ConfigError(f"plugin {self.plugin!r}: unknown parameters {unknown}")
+
+
+def tier_map(plugin: str, raw: Mapping[str, object], defaults: Mapping[Medium, float]) -> dict[Medium, float]:
+    """A plugin's per-tier numbers (``tierWeights``, ``tierGBps``) over ``defaults``.
+
+    Raises:
+        ConfigError: an unknown tier or a value that is not a non-negative number.
+    """
+    out = dict(defaults)
+    for name, value in raw.items():
+        try:
+            tier = Medium(str(name).upper())
+        except ValueError as exc:
+            raise ConfigError(f"plugin {plugin!r}: unknown tier {name!r} (GPU, CPU, DISK, SHARED)") from exc
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ConfigError(f"plugin {plugin!r}: tier {name} needs a non-negative number, got {value!r}")
+        out[tier] = float(value)
+    return out

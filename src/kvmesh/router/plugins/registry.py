@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.errors import ConfigError
-from kvmesh.router.plugins import filters, lora, pickers, scorers
+from kvmesh.router.plugins import filters, lora, pickers, scorers, ttft_estimate
 from kvmesh.router.plugins.base import Params, Plugin, PluginContext, PluginFactory, PluginKind, check_plugin
 from kvmesh.router.prefill_ledger import PrefillLedger
 
@@ -61,7 +61,7 @@ REGISTRY: dict[str, Registration] = {
     SESSION_AFFINITY_SCORER: Registration(PluginKind.SCORER, scorers.make_session_affinity_scorer),
     RANDOM_SCORER: Registration(PluginKind.SCORER, scorers.make_random_scorer),
     ROUND_ROBIN_SCORER: Registration(PluginKind.SCORER, scorers.make_round_robin_scorer),
-    TTFT_ESTIMATE_SCORER: Registration(PluginKind.SCORER, scorers.make_ttft_estimate_scorer),
+    TTFT_ESTIMATE_SCORER: Registration(PluginKind.SCORER, ttft_estimate.make_ttft_estimate_scorer),
     LORA_AFFINITY_SCORER: Registration(PluginKind.SCORER, lora.make_lora_affinity_scorer),
     MAX_SCORE_PICKER: Registration(PluginKind.PICKER, pickers.make_max_score_picker),
     WEIGHTED_RANDOM_PICKER: Registration(PluginKind.PICKER, pickers.make_weighted_random_picker),
@@ -136,7 +136,7 @@ def prefill_ledger_of(config: Mapping[str, Any]) -> PrefillLedger:
     for plugin in config.get("plugins") or []:
         if isinstance(plugin, Mapping) and canonical_type(str(plugin.get("type"))) == TTFT_ESTIMATE_SCORER:
             name = str(plugin.get("name") or TTFT_ESTIMATE_SCORER)
-            scorer = scorers.make_ttft_estimate_scorer(
+            scorer = ttft_estimate.make_ttft_estimate_scorer(
                 name, Params(name, plugin.get("parameters")), PluginContext()
             )
             return PrefillLedger(
