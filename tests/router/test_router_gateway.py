@@ -157,7 +157,7 @@ async def test_sse_is_relayed_without_buffering(engines):
 async def test_prefill_work_is_pending_until_the_first_chunk(engines):
     (e,) = await engines(1)
     e.prefill_gate = asyncio.Event()
-    async with gateway_client([e]) as (gw, client):
+    async with gateway_client([e], adminToken="s3cret") as (gw, client):
         assert gw.pool is not None
         (state,) = gw.pool.states()
         request = asyncio.ensure_future(
@@ -177,6 +177,12 @@ async def test_prefill_work_is_pending_until_the_first_chunk(engines):
         assert len(gw.prefill_ledger) == 0
         # the answer is over: the prompt's KV is free again, and the endpoint's release rate knows it
         await wait_for(lambda: state.kv_release_tokens_per_s > 0.0)
+        # the release forecast saw the answer start; the admin listing leaves it out and still answers
+        assert state.kv_releases is not None
+        listing = await client.get("/admin/endpoints", headers={"Authorization": "Bearer s3cret"})
+        assert listing.status == 200, await listing.text()
+        (item,) = (await listing.json())["endpoints"]
+        assert "kv_releases" not in item and item["kv_release_tokens_per_s"] > 0.0
 
 
 async def test_connect_failure_retries_the_next_endpoint(engines):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
-from dataclasses import KW_ONLY, asdict, dataclass
+from dataclasses import KW_ONLY, asdict, dataclass, replace
 from typing import Any, Protocol
 
 import msgspec
@@ -103,7 +103,9 @@ class AdminApi:
         applier = self.router.applier
         out = []
         for e in self.router.endpoints():
-            item = asdict(e.state)
+            # the release forecast is live bookkeeping, not a figure (and not JSON)
+            item = asdict(replace(e.state, kv_releases=None))
+            del item["kv_releases"]
             item.update(
                 events_endpoint=e.events_endpoint,
                 replay_endpoint=e.replay_endpoint,
