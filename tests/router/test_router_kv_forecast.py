@@ -160,3 +160,18 @@ def test_running_prompts_that_share_blocks_release_and_need_only_what_they_hold_
     forecast.started(own, "b", 90_000, 0.0)
     forecast.refresh(1.0)
     assert price.seconds(own, 130_000, 1000, 0.0) == pytest.approx(9.0)  # 10k short: both answers end
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 5), st.integers(0, 10**6)), max_size=60))
+def test_the_held_sum_follows_the_running_answers(steps):
+    forecast = KVReleaseForecast(durations_of([1.0] * MIN_SAMPLES))
+    state = EndpointState(POD)
+    for i, (start, rid, tokens) in enumerate(steps):
+        if start:
+            forecast.started(state, f"r{rid}", tokens, float(i))
+        else:
+            forecast.ended(state, f"r{rid}", float(i))
+    releases = state.kv_releases
+    if releases is not None:
+        assert isinstance(releases, EndpointReleases)
+        assert releases.held == sum(r.tokens for r in releases.running.values())

@@ -82,18 +82,33 @@ class EndpointReleases:
     Nothing is computed at refresh: a decision that finds the free KV sufficient never reads it.
     """
 
-    __slots__ = ("_durations", "now", "running", "state")
+    __slots__ = ("_durations", "held", "now", "running", "state")
 
     def __init__(self, state: EndpointState, durations: DecodeDurations) -> None:
         self.state = state
         self._durations = durations
         self.running: dict[str, _Running] = {}
+        self.held = 0
+        """The running prompts' tokens, summed (kept as they start and end: read per decision)."""
         self.now = 0.0
+
+    def start(self, request_id: str, tokens: int, now: float) -> None:
+        old = self.running.get(request_id)
+        if old is not None:
+            self.held -= old.tokens
+        self.running[request_id] = _Running(tokens, now)
+        self.held += tokens
+
+    def end(self, request_id: str) -> _Running | None:
+        entry = self.running.pop(request_id, None)
+        if entry is not None:
+            self.held -= entry.tokens
+        return entry
 
     def held_ratio(self) -> float:
         """The engine's KV fill over the sum of the running prompts, at most 1 (1 when either is
         unknown): below 1 where running prompts share blocks."""
-        held = sum(r.tokens for r in self.running.values())
+        held = self.held
         state = self.state
         used = state.kv_cache_usage * state.kv_capacity_tokens
         return min(used / held, 1.0) if held > 0 and used > 0 else 1.0
@@ -143,13 +158,13 @@ class KVReleaseForecast:
             endpoint = self._endpoints[state.pod] = EndpointReleases(state, self.durations)
             endpoint.now = now
             state.kv_releases = endpoint
-        endpoint.running[request_id] = _Running(max(kv_tokens, 0), now)
+        endpoint.start(request_id, max(kv_tokens, 0), now)
 
     def ended(self, state: EndpointState, request_id: str, now: float) -> None:
         """``request_id``'s answer at ``state``'s endpoint is over (one that never started is
         ignored)."""
         endpoint = self._endpoints.get(state.pod)
-        entry = None if endpoint is None else endpoint.running.pop(request_id, None)
+        entry = None if endpoint is None else endpoint.end(request_id)
         if entry is not None:
             self.durations.add(now - entry.since)
 
