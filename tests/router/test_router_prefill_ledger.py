@@ -392,3 +392,18 @@ def test_the_learned_speed_and_attention_context_are_exported():
     metrics = {m.name: m for m in EndpointLoadCollector(lambda: states).collect()}
     assert metrics["kvmesh_router_prefill_tokens_per_second"].samples[0].value == pytest.approx(10_000.0)
     assert metrics["kvmesh_router_attention_context_tokens"].samples[0].value == 25_000.0
+
+
+def test_pending_prefills_count_the_requests_without_a_first_token():
+    ledger = PrefillLedger()
+    a, b = EndpointState(A), EndpointState(B)
+    ledger.sent("r1", a, 1000, now=0.0)
+    ledger.sent("r2", a, 0, now=0.0, cached=500)  # a full hit still waits for its first token
+    ledger.sent("r3", b, 200, now=0.0)
+    assert (a.pending_prefills, b.pending_prefills) == (2, 1)
+    ledger.sent("r3", a, 200, now=0.1)  # retried on a: moves
+    assert (a.pending_prefills, b.pending_prefills) == (3, 0)
+    ledger.first_token("r1", now=1.0)
+    ledger.finished("r2")
+    ledger.finished("r2")
+    assert a.pending_prefills == 1

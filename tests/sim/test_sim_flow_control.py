@@ -65,7 +65,8 @@ def test_under_overload_work_the_fleet_holds_goes_first():
     assert fifo.num_timeouts == continuing_first.num_timeouts == 0
     assert continuing_first.num_ok > 1.1 * fifo.num_ok
     assert continuing_first.hit_rate > fifo.hit_rate
-    assert continuing_first.ttft.median < 0.7 * fifo.ttft.median
+    # 0.69x with the default before the copy's recompute was priced at the pool's queue, 0.72x since
+    assert continuing_first.ttft.median < 0.8 * fifo.ttft.median
 
 
 def test_below_saturation_nothing_changes():

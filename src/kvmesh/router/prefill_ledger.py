@@ -66,10 +66,12 @@ class _Backlog:
     at: float = 0.0
     open_kv_tokens: int = 0
     """The open requests' whole prompts: KV they take when the engine admits them."""
+    num_open: int = 0
 
     def publish(self) -> None:
         self.state.pending_prefill_tokens = round(self.left)
         self.state.pending_kv_tokens = self.open_kv_tokens
+        self.state.pending_prefills = self.num_open
 
     def reprice(self, attention_context: float) -> None:
         """The attention context changed: price the open work anew, keeping the share left."""
@@ -177,6 +179,7 @@ class PrefillLedger:
         )
         backlog.open_tokens += n
         backlog.open_kv_tokens += cached + n
+        backlog.num_open += 1
         backlog.open_pairs += pairs
         backlog.open_work += work
         backlog.left += work
@@ -224,6 +227,7 @@ class PrefillLedger:
             backlog = entry.backlog
             backlog.open_tokens = max(backlog.open_tokens - entry.tokens, 0.0)
             backlog.open_kv_tokens = max(backlog.open_kv_tokens - entry.kv_tokens, 0)
+            backlog.num_open = max(backlog.num_open - 1, 0)
             backlog.open_pairs = max(backlog.open_pairs - entry.pairs, 0.0)
             work = work_of(entry.tokens, entry.pairs, self._context)
             backlog.open_work = max(backlog.open_work - work, 0)

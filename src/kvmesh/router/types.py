@@ -51,6 +51,7 @@ class EndpointState:
             weighted by position when the ledger has an attention context (``prefill_work``).
         pending_kv_tokens: whole prompts of those requests (cached tokens included): the device KV
             they take when the engine admits them.
+        pending_prefills: how many of this router's requests there have no first token yet.
         seconds_per_prefill_token: the endpoint's prefill cost learned from first-token times;
             0 until enough samples, when scorers use their configured prior.
         attention_context_tokens: the context at which attention doubles a prompt token's cost,
@@ -77,6 +78,7 @@ class EndpointState:
     healthy: bool = True
     pending_prefill_tokens: int = 0
     pending_kv_tokens: int = 0
+    pending_prefills: int = 0
     seconds_per_prefill_token: float = 0.0
     attention_context_tokens: float = 0.0
     kv_bytes_per_token: int = 0

@@ -34,11 +34,18 @@ class TTFTEstimateScorer:
     - share: running decodes take one token each of every step's ``max_batched_tokens``;
     - transfer: blocks cached in a tier move at that tier's GB/s (0: no transfer, the device itself),
       at the KV bytes per token the endpoint reports (``kv_bytes_per_token`` where it reports none);
-    - KV: the wait for free KV and the recompute of what the new tokens evict (``kv_price``).
+    - KV: the wait for free KV and the recompute of what the new tokens evict (``kv_price``);
+    - a busy pool (in :meth:`score`): the prefill an endpoint needs beyond the least any candidate
+      needs (the recompute a copy adds to the pool) is priced ``1 + queue_weight × q`` times, ``q``
+      the requests per endpoint still waiting for their first token (``pending_prefills``, the
+      pool's mean). When the pool is queued, that recompute is capacity it does not have: it delays
+      the requests that come after it wherever it runs, which the request's own TTFT does not see.
+      A cold prompt needs the same work everywhere and pays nothing more.
 
     A prefix's holder wins while its backlog costs less than recomputing the prefix elsewhere; once
     it is saturated, the next request for that prefix goes to where it finishes first and becomes a
-    second copy (or loads the prefix from a shared tier) instead of queueing.
+    second copy (or loads the prefix from a shared tier) instead of queueing. The busier the
+    pool, the longer the holder's backlog has to be before a copy pays.
     """
 
     scores_in_unit_range: ClassVar[bool] = True
@@ -55,6 +62,9 @@ class TTFTEstimateScorer:
     """Whether the router's prefill ledger learns the attention context (``prefill_ledger_of``)."""
     max_context_ratio: float = DEFAULT_MAX_CONTEXT_RATIO
     kv_price: KVAdmissionPrice = field(default_factory=KVAdmissionPrice)
+    queue_weight: float = 0.0
+    """A copy's recompute is priced once more for every ``1 / queue_weight`` requests queued per
+    endpoint across the pool (0: not at all)."""
     shared_ends: SharedPrefixEnds = field(default_factory=SharedPrefixEnds)
     """Tells a hot shared prefix (not worth a second replica to skip a KV wait) from a session's own."""
 
@@ -79,11 +89,13 @@ class TTFTEstimateScorer:
         """Seconds until ``endpoint`` would emit the first token of ``request`` (``kv_wait``: with
         the learned wait for free KV, where the price has one)."""
         kv_priced = self.kv_price.enabled
-        return self._estimate(request.prefix, request.num_tokens, kv_priced, kv_wait, endpoint)
+        return self._estimate(request.prefix, request.num_tokens, kv_priced, kv_wait, endpoint)[0]
 
     def _estimate(
         self, prefix: PrefixMatch | None, num: int, kv_priced: bool, kv_wait: bool, endpoint: EndpointState
-    ) -> float:
+    ) -> tuple[float, float, float]:
+        """The estimate, the request's own work there (tokens at position 0) and the endpoint's
+        seconds per such token."""
         transfer = 0.0
         cached = 0
         bytes_per_token = endpoint.kv_bytes_per_token or self.kv_bytes_per_token
@@ -108,16 +120,27 @@ class TTFTEstimateScorer:
         queue = max(endpoint.pending_prefill_tokens * spt, endpoint.waiting * self.queued_request_s)
         if kv_priced:
             queue += self.kv_price.seconds(endpoint, num, num - cached, spt, wait=kv_wait)
-        return transfer + queue + own * spt
+        return transfer + queue + own * spt, own, spt
 
     def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
         prefix, num, kv_priced = request.prefix, request.num_tokens, self.kv_price.enabled
         kv_wait = not (self.kv_price.learned_wait and self.shared_ends.shared(request))
-        estimates = [self._estimate(prefix, num, kv_priced, kv_wait, e) for e in endpoints]
-        if not estimates:
+        parts = [self._estimate(prefix, num, kv_priced, kv_wait, e) for e in endpoints]
+        if not parts:
             return []
+        surcharge = self.queue_weight * mean_queue(endpoints) if self.queue_weight > 0 else 0.0
+        if surcharge > 0:
+            least = min(own for _, own, _ in parts)
+            estimates = [est + surcharge * (own - least) * spt for est, own, spt in parts]
+        else:
+            estimates = [est for est, _, _ in parts]
         best = min(estimates)
         return [1.0 if est <= 0.0 else best / est for est in estimates]
+
+
+def mean_queue(endpoints: list[EndpointState]) -> float:
+    """Requests per endpoint this router sent that have no first token yet."""
+    return sum(e.pending_prefills for e in endpoints) / len(endpoints) if endpoints else 0.0
 
 
 DEFAULT_TIER_GBPS: dict[Medium, float] = {
@@ -140,6 +163,7 @@ def make_ttft_estimate_scorer(name: str, params: Params, ctx: PluginContext) -> 
         learn_context=params.boolean("learnAttentionContext", True),
         max_context_ratio=params.number("maxLearnedContextRatio", DEFAULT_MAX_CONTEXT_RATIO, minimum=1.0),
         kv_price=KVAdmissionPrice.from_params(params),
+        queue_weight=params.number("recomputeQueueWeight", 0.0, minimum=0.0),
     )
 
 
