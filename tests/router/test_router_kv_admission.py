@@ -107,34 +107,33 @@ def test_a_holder_that_frees_kv_slowly_loses_the_session_to_one_that_frees_it_fa
     assert learned.score(r, [holder, other]) == [1.0, pytest.approx(0.5)]
 
 
-def test_a_queued_pool_prices_a_copys_recompute_and_keeps_the_session_at_its_holder():
-    # the holder has 960 of 1,024 tokens behind 1,500 tokens of prefill; the other endpoint is idle.
-    # Priced alone, the copy wins (1.024 s against 1.5 + 0.064 s). Once every endpoint has requests
-    # queued, the recompute a copy adds (960 tokens more than the holder computes) delays the
-    # requests after it wherever it runs: it is priced once more per request queued per endpoint.
+def test_a_queued_endpoint_prices_a_copys_recompute_and_keeps_the_session_at_its_holder():
+    # the holder has 960 of 1,024 tokens behind 1,500 tokens of prefill. Priced alone, a copy on
+    # the other endpoint wins (1.024 s against 1.5 + 0.064 s). The 960 tokens it recomputes there
+    # also delay the requests that reach that endpoint while its backlog drains: once per request
+    # queued there. An idle endpoint still takes the copy; a queued one does not.
     r = session_turn(held_blocks=60)
     plain = TTFTEstimateScorer(1000.0, 0.0, 0.0, {})
     priced = TTFTEstimateScorer(1000.0, 0.0, 0.0, {}, queue_weight=1.0)
 
-    def pool(holder_queue: int, other_queue: int) -> list[EndpointState]:
+    def pool(other_queue: int) -> list[EndpointState]:
         return [
-            EndpointState(HOLDER, pending_prefill_tokens=1500, pending_prefills=holder_queue),
+            EndpointState(HOLDER, pending_prefill_tokens=1500, pending_prefills=3),
             EndpointState(OTHER, pending_prefills=other_queue),
         ]
 
-    assert plain.score(r, pool(3, 2)) == pytest.approx([1.024 / 1.564, 1.0])
-    assert priced.score(r, pool(0, 0)) == pytest.approx(plain.score(r, pool(0, 0)))
-    # only the holder queued (mean 0.5): the idle endpoint still takes the copy
-    assert priced.score(r, pool(1, 0)) == pytest.approx([(1.024 + 0.5 * 0.96) / 1.564, 1.0])
-    # mean queue 2.5: the copy costs 1.024 + 2.5 x 0.96 s, the holder 1.564 s
-    assert priced.score(r, pool(3, 2)) == pytest.approx([1.0, 1.564 / (1.024 + 2.5 * 0.96)])
+    assert plain.score(r, pool(2)) == pytest.approx([1.024 / 1.564, 1.0])
+    # the holder's queue does not price its own (least) work: an idle other endpoint takes the copy
+    assert priced.score(r, pool(0)) == pytest.approx(plain.score(r, pool(0)))
+    # two requests queued there: the copy costs 1.024 + 2 x 0.96 s, the holder 1.564 s
+    assert priced.score(r, pool(2)) == pytest.approx([1.0, 1.564 / (1.024 + 2 * 0.96)])
 
 
 def test_a_cold_prompt_needs_the_same_work_everywhere_and_pays_no_queue_price():
     r = RoutingRequest("r", PROMPT, Namespace("m"))
     r.prefix = PrefixMatch(64, 16, {})
     plain = TTFTEstimateScorer(1000.0, 0.0, 0.0, {})
-    priced = TTFTEstimateScorer(1000.0, 0.0, 0.0, {}, queue_weight=3.0)
+    priced = TTFTEstimateScorer(1000.0, 0.0, 0.0, {}, queue_weight=8.0)
     pool = [
         EndpointState(HOLDER, pending_prefill_tokens=1500, pending_prefills=4),
         EndpointState(OTHER, pending_prefills=2),

@@ -63,9 +63,10 @@ def test_under_overload_work_the_fleet_holds_goes_first():
 
     fifo, continuing_first = run(0.0), run(0.9)
     assert fifo.num_timeouts == continuing_first.num_timeouts == 0
-    assert continuing_first.num_ok > 1.1 * fifo.num_ok
+    # served 1.13x and median TTFT 0.69x with the default routing before a copy's recompute was
+    # priced at its endpoint's queue; 1.08x and 0.72x since (its FIFO run serves more itself)
+    assert continuing_first.num_ok > 1.05 * fifo.num_ok
     assert continuing_first.hit_rate > fifo.hit_rate
-    # 0.69x with the default before the copy's recompute was priced at the pool's queue, 0.72x since
     assert continuing_first.ttft.median < 0.8 * fifo.ttft.median
 
 

@@ -81,11 +81,9 @@ class FlowControlConfig(msgspec.Struct, forbid_unknown_fields=True, rename="came
     gauge is one scrape old: pair it with ``maxInFlightPerEndpoint``."""
     max_in_flight_per_endpoint: int = 0
     """An endpoint with this many of the router's requests unfinished is saturated (0: off)."""
-    max_queue_wait_seconds: float = 15.0
+    max_queue_wait_seconds: float = 30.0
     """A request queued this long is answered 429 (the header ``x-kvmesh-max-queue-wait-ms`` may
-    only lower it). A served request's TTFT is at most this plus ``max_predicted_ttft_seconds``
-    (about): under twice the load the fleet serves, 30 s let the served p90 reach 4.5x its 1x value
-    in the simulated agentic fleet, 15 s 2.6x (docs/BENCHMARKS.md, "Overload with flow control")."""
+    only lower it)."""
     max_queued_requests: int = 10_000
     """Requests queued at once; an arrival beyond it is answered 429 at once."""
     per_tenant_max_queued: int = 0

@@ -35,17 +35,18 @@ class TTFTEstimateScorer:
     - transfer: blocks cached in a tier move at that tier's GB/s (0: no transfer, the device itself),
       at the KV bytes per token the endpoint reports (``kv_bytes_per_token`` where it reports none);
     - KV: the wait for free KV and the recompute of what the new tokens evict (``kv_price``);
-    - a busy pool (in :meth:`score`): the prefill an endpoint needs beyond the least any candidate
-      needs (the recompute a copy adds to the pool) is priced ``1 + queue_weight × q`` times, ``q``
-      the requests per endpoint still waiting for their first token (``pending_prefills``, the
-      pool's mean). When the pool is queued, that recompute is capacity it does not have: it delays
-      the requests that come after it wherever it runs, which the request's own TTFT does not see.
-      A cold prompt needs the same work everywhere and pays nothing more.
+    - a queued endpoint (in :meth:`score`): the prefill an endpoint needs beyond the least any
+      candidate needs (the recompute a copy adds) is priced ``1 + queue_weight × q`` times, ``q``
+      the requests this router sent there that have no first token yet (``pending_prefills``).
+      That recompute also delays the requests that reach the endpoint while its backlog drains
+      (about as many as wait there now), which the copy's own TTFT does not see. An idle endpoint
+      prices it once (a session may still move to escape its holder's wait), and a cold prompt
+      needs the same work everywhere and pays nothing more.
 
     A prefix's holder wins while its backlog costs less than recomputing the prefix elsewhere; once
     it is saturated, the next request for that prefix goes to where it finishes first and becomes a
     second copy (or loads the prefix from a shared tier) instead of queueing. The busier the
-    pool, the longer the holder's backlog has to be before a copy pays.
+    other endpoints, the longer the holder's backlog has to be before a copy there pays.
     """
 
     scores_in_unit_range: ClassVar[bool] = True
@@ -63,8 +64,8 @@ class TTFTEstimateScorer:
     max_context_ratio: float = DEFAULT_MAX_CONTEXT_RATIO
     kv_price: KVAdmissionPrice = field(default_factory=KVAdmissionPrice)
     queue_weight: float = 0.0
-    """A copy's recompute is priced once more for every ``1 / queue_weight`` requests queued per
-    endpoint across the pool (0: not at all)."""
+    """A copy's recompute is priced once more for every ``1 / queue_weight`` requests queued at
+    the endpoint it would run on (0: not at all)."""
     shared_ends: SharedPrefixEnds = field(default_factory=SharedPrefixEnds)
     """Tells a hot shared prefix (not worth a second replica to skip a KV wait) from a session's own."""
 
@@ -128,19 +129,17 @@ class TTFTEstimateScorer:
         parts = [self._estimate(prefix, num, kv_priced, kv_wait, e) for e in endpoints]
         if not parts:
             return []
-        surcharge = self.queue_weight * mean_queue(endpoints) if self.queue_weight > 0 else 0.0
-        if surcharge > 0:
+        weight = self.queue_weight
+        if weight > 0:
             least = min(own for _, own, _ in parts)
-            estimates = [est + surcharge * (own - least) * spt for est, own, spt in parts]
+            estimates = [
+                est + weight * e.pending_prefills * (own - least) * spt
+                for (est, own, spt), e in zip(parts, endpoints, strict=True)
+            ]
         else:
             estimates = [est for est, _, _ in parts]
         best = min(estimates)
         return [1.0 if est <= 0.0 else best / est for est in estimates]
-
-
-def mean_queue(endpoints: list[EndpointState]) -> float:
-    """Requests per endpoint this router sent that have no first token yet."""
-    return sum(e.pending_prefills for e in endpoints) / len(endpoints) if endpoints else 0.0
 
 
 DEFAULT_TIER_GBPS: dict[Medium, float] = {
