@@ -169,11 +169,14 @@ async def test_prefill_work_is_pending_until_the_first_chunk(engines):
         assert state.kv_release_tokens_per_s == 0.0
         metrics = await (await client.get("/metrics")).text()
         assert f'kvmesh_router_pending_prefill_tokens{{endpoint="{e.url}"}} {len(PROMPT)}.0' in metrics
+        assert state.pending_prefills == 1
+        assert f'kvmesh_router_pending_prefill_requests{{endpoint="{e.url}"}} 1.0' in metrics
         e.prefill_gate.set()
         resp = await request
         await resp.read()
         assert state.pending_prefill_tokens == 0
         assert state.pending_kv_tokens == 0
+        assert state.pending_prefills == 0
         assert len(gw.prefill_ledger) == 0
         # the answer is over: the prompt's KV is free again, and the endpoint's release rate knows it
         await wait_for(lambda: state.kv_release_tokens_per_s > 0.0)

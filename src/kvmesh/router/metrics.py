@@ -19,6 +19,7 @@
 ``kvmesh_router_pod_indexed_blocks{endpoint}``  engine blocks tracked per pod
 ``kvmesh_router_pending_prefill_tokens{...}``   prompt tokens sent to an endpoint, no first token
                                                 yet (less what it computed since, when learned)
+``kvmesh_router_pending_prefill_requests{...}`` requests sent to an endpoint with no first token yet
 ``kvmesh_router_endpoint_kv_capacity_tokens``  each endpoint's device KV capacity (``/kvmesh/info`` or
                                                 ``vllm:cache_config_info``; 0 unknown)
 ``kvmesh_router_prefill_tokens_per_second``     the pool's prefill speed learned from first tokens
@@ -118,6 +119,11 @@ class EndpointLoadCollector(ScrapeCollector[Iterable[EndpointState]]):
             "Prompt tokens routed to an endpoint that have no first token yet",
             labels=["endpoint"],
         )
+        pending_requests = GaugeMetricFamily(
+            "kvmesh_router_pending_prefill_requests",
+            "Requests routed to an endpoint that have no first token yet",
+            labels=["endpoint"],
+        )
         capacity = GaugeMetricFamily(
             "kvmesh_router_endpoint_kv_capacity_tokens",
             "Device KV capacity of each endpoint in tokens (0 unknown)",
@@ -126,11 +132,13 @@ class EndpointLoadCollector(ScrapeCollector[Iterable[EndpointState]]):
         speed = context = 0.0
         for state in self._source():
             pending.add_metric([state.pod], state.pending_prefill_tokens)
+            pending_requests.add_metric([state.pod], state.pending_prefills)
             capacity.add_metric([state.pod], state.kv_capacity_tokens)
             if state.seconds_per_prefill_token > 0:
                 speed = 1.0 / state.seconds_per_prefill_token
             context = state.attention_context_tokens or context
         yield pending
+        yield pending_requests
         yield capacity
         yield GaugeMetricFamily(
             "kvmesh_router_prefill_tokens_per_second",

@@ -67,6 +67,7 @@ class _Backlog:
     open_kv_tokens: int = 0
     """The open requests' whole prompts: KV they take when the engine admits them."""
     num_open: int = 0
+    """Requests open here: a copy's recompute delays about as many arriving after it."""
 
     def publish(self) -> None:
         self.state.pending_prefill_tokens = round(self.left)
