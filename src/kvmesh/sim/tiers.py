@@ -54,7 +54,7 @@ def _insert(
     alloc = cache.allocate(owner, keys, have, len(keys) - have)
     if alloc is None:
         return 0, []
-    added = cache.cache_blocks(alloc, keys, tokens) - have
+    added = cache.cache_blocks(alloc, keys, tokens)
     cache.free(alloc)
     return added, cache.take_events()
 

@@ -34,7 +34,8 @@ class TTFTEstimateScorer:
     - share: running decodes take one token each of every step's ``max_batched_tokens``;
     - transfer: blocks cached in a tier move at that tier's GB/s (0: no transfer, the device itself),
       at the KV bytes per token the endpoint reports (``kv_bytes_per_token`` where it reports none);
-    - KV: the wait for free KV and the recompute of what the new tokens evict (``kv_price``);
+    - KV: the wait for free KV and the recompute of what the new tokens evict (``kv_price``); the
+      tokens loaded from a lower tier need device KV as much as computed ones do;
     - a queued endpoint (in :meth:`score`): the prefill an endpoint needs beyond the least any
       candidate needs (the recompute a copy adds) is priced ``1 + queue_weight × q`` times, ``q``
       the requests this router sent there that have no first token yet (``pending_prefills``).
@@ -99,6 +100,7 @@ class TTFTEstimateScorer:
         seconds per such token."""
         transfer = 0.0
         cached = 0
+        on_device = 0
         bytes_per_token = endpoint.kv_bytes_per_token or self.kv_bytes_per_token
         if prefix is not None:
             match = prefix.match_of(endpoint.pod)
@@ -109,6 +111,8 @@ class TTFTEstimateScorer:
                     gbps = self.tier_gbps.get(tier, 0.0)
                     if gbps > 0:
                         transfer += tokens * bytes_per_token / (gbps * 1e9)
+                    else:
+                        on_device += tokens
         budget = self.max_batched_tokens
         share = max(budget - endpoint.running, budget * 0.1) / budget
         spt = self.seconds_per_token(endpoint) / share
@@ -120,7 +124,8 @@ class TTFTEstimateScorer:
             own = max(num - cached, 1)
         queue = max(endpoint.pending_prefill_tokens * spt, endpoint.waiting * self.queued_request_s)
         if kv_priced:
-            queue += self.kv_price.seconds(endpoint, num, num - cached, spt, wait=kv_wait)
+            # a load from a lower tier takes device KV as a recompute does
+            queue += self.kv_price.seconds(endpoint, num, num - on_device, spt, wait=kv_wait)
         return transfer + queue + own * spt, own, spt
 
     def score(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[float]:
