@@ -6,8 +6,8 @@ The simulator (the router's own scheduler, flow control and index in virtual tim
 TP2 H100 pods with a 1M-token CPU tier each and 64-token blocks, the default routing profile, the
 agentic example (``src/kvmesh/sim/examples/agentic.yaml``) with 32 sessions 4 s apart (1×) and 64
 sessions 2 s apart (2×), clients waiting up to 900 s. Flow control: off; the defaults (10 s
-predicted-TTFT bound, 30 s deadline, work the fleet holds going first: ``continuationShare`` 0.9),
-and without that order (0); a 15 s deadline; a 5 s bound with a 20 s deadline.
+predicted-TTFT bound, 15 s deadline, work the fleet holds going first: ``continuationShare`` 0.9),
+and without that order (0); a 30 s deadline; a 5 s bound with a 20 s deadline.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ AGENTIC_YAML = Path(__file__).resolve().parent.parent / "src" / "kvmesh" / "sim"
 LOADS = (1.0, 2.0)
 SETTINGS: list[tuple[str, FlowControlConfig | None]] = [
     ("off", None),
-    ("10 s / 30 s, continuing first (default)", FlowControlConfig()),
-    ("10 s / 30 s, FIFO", FlowControlConfig(continuation_share=0.0)),
-    ("10 s / 15 s, continuing first", FlowControlConfig(max_queue_wait_seconds=15)),
+    ("10 s / 15 s, continuing first (default)", FlowControlConfig()),
+    ("10 s / 15 s, FIFO", FlowControlConfig(continuation_share=0.0)),
+    ("10 s / 30 s, continuing first", FlowControlConfig(max_queue_wait_seconds=30)),
     ("5 s / 20 s, continuing first", FlowControlConfig(max_predicted_ttft_seconds=5, max_queue_wait_seconds=20)),
 ]  # fmt: skip
 

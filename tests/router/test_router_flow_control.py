@@ -226,7 +226,7 @@ def test_randomized_invariants():
 
 def test_config_defaults_and_validation():
     cfg = FlowControlConfig()
-    assert cfg.enabled and cfg.max_predicted_ttft_seconds == 10.0 and cfg.max_queue_wait_seconds == 30.0
+    assert cfg.enabled and cfg.max_predicted_ttft_seconds == 10.0 and cfg.max_queue_wait_seconds == 15.0
     with pytest.raises(ConfigError, match="maxQueuedRequests"):
         FlowControlConfig(max_queued_requests=-1)
     with pytest.raises(ConfigError, match="tickSeconds"):

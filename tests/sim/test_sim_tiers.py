@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from sim_helpers import tokens
+
 from kvmesh.core.events import BlockStored
 from kvmesh.core.hashing import BlockHasher
 from kvmesh.core.types import Medium
@@ -9,8 +11,6 @@ from kvmesh.engine.cost_model import CostModel, get_preset
 from kvmesh.engine.prefix_cache import engine_block_hash
 from kvmesh.sim.routing import SIM_HASH_ALGO
 from kvmesh.sim.tiers import SharedStore, TierStack
-
-from sim_helpers import tokens
 
 BLOCK, CHUNK = 16, 64
 

@@ -15,7 +15,7 @@
     index: {backend: memory, capacity: 2000000, redisUrl: null, keyPrefix: "kvmesh:idx:"}
     health: {intervalS: 0.5, timeoutS: 0.5, failureThreshold: 2, metricsIntervalS: 1.0}
     upstream: {maxConnectionsPerEndpoint: 1024, keepaliveS: 15.0}
-    flowControl: {enabled: true, maxPredictedTtftSeconds: 10, maxQueueWaitSeconds: 30,
+    flowControl: {enabled: true, maxPredictedTtftSeconds: 10, maxQueueWaitSeconds: 15,
                   maxQueuedRequests: 10000, perTenantMaxQueued: 0}   # see kvmesh.router.flow_control
     cacheReport: {maxTenants: 256, explainHistory: 1024, seenBlocks: 262144, textPrefixes: 65536}
     endpoints:

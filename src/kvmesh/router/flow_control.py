@@ -81,7 +81,7 @@ class FlowControlConfig(msgspec.Struct, forbid_unknown_fields=True, rename="came
     gauge is one scrape old: pair it with ``maxInFlightPerEndpoint``."""
     max_in_flight_per_endpoint: int = 0
     """An endpoint with this many of the router's requests unfinished is saturated (0: off)."""
-    max_queue_wait_seconds: float = 30.0
+    max_queue_wait_seconds: float = 15.0
     """A request queued this long is answered 429 (the header ``x-kvmesh-max-queue-wait-ms`` may
     only lower it)."""
     max_queued_requests: int = 10_000
