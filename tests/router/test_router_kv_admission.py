@@ -65,6 +65,25 @@ def test_a_busy_holder_keeps_its_session_when_the_copy_waits_for_kv_and_evicts()
     assert scores == [1.0, pytest.approx(1.196 / 2.136)]  # stays
 
 
+def test_a_prefix_loaded_from_a_lower_tier_takes_device_kv_as_a_recompute_does():
+    # the prompt's first 960 tokens on OTHER: in its device tier, its CPU tier or the shared tier
+    def on(medium: Medium) -> RoutingRequest:
+        r = RoutingRequest("r", PROMPT, Namespace("m"))
+        r.prefix = PrefixMatch(64, 16, {OTHER: PodMatch(60, {medium: 60})})
+        return r
+
+    est = TTFTEstimateScorer(
+        1000.0, 0.0, 0.0, {Medium.CPU: 16.0, Medium.SHARED: 10.0}, kv_price=KVAdmissionPrice(evict_weight=0.5)
+    )
+    other = EndpointState(OTHER, kv_capacity_tokens=100_000)
+    compute = 64 * 0.001  # the 64 tokens no tier holds
+    assert est.estimate(on(Medium.GPU), other) == pytest.approx(compute + 0.5 * 64 * 0.001)
+    # loaded (no KV bytes given: no transfer time), the 960 tokens push as many cached tokens out of
+    # the device tier as computed ones would
+    for medium in (Medium.CPU, Medium.SHARED):
+        assert est.estimate(on(medium), other) == pytest.approx(compute + 0.5 * 1024 * 0.001)
+
+
 def test_the_default_profile_prices_what_a_copy_evicts_and_the_wait_for_free_kv():
     config = load_scheduler_config("precise")
     s = Scheduler.from_config(config, index=InMemoryIndex(capacity=None), rng=random.Random(0))
