@@ -7,6 +7,7 @@ import random
 import pytest
 
 from kvmesh.core.hashing import Namespace
+from kvmesh.core.types import Medium
 from kvmesh.errors import ConfigError
 from kvmesh.router.flow_control import (
     FlowControlConfig,
@@ -277,6 +278,33 @@ def test_saturated_when_every_endpoint_predicts_above_the_bound():
     # an endpoint with nothing of ours in flight always takes work, however long the prompt
     assert not detector.saturated(sched, request(100_000), [busy("a", 9000), EndpointState("b")])
     assert not detector.saturated(sched, request(), [])
+
+
+def test_continuing_work_is_not_held_for_a_wait_for_free_kv():
+    def kv_full(pod: str, pending: int = 0) -> EndpointState:
+        # 10 of 10,000 KV tokens free, released at 100 tokens/s: a 160-token prompt waits 1.5 s
+        state = busy(pod, pending, kv_capacity_tokens=10_000, kv_cache_usage=0.999)
+        state.kv_release_tokens_per_s = 100.0
+        return state
+
+    detector = SaturationDetector(FlowControlConfig(max_predicted_ttft_seconds=1.0))
+    sched = scheduler("precise")
+
+    def turn() -> RoutingRequest:  # a session's next turn: all 160 tokens cached on a
+        r = request(160)
+        r.prefix = PrefixMatch(10, 16, {"a": PodMatch(10, {Medium.GPU: 10})})
+        return r
+
+    full = [kv_full("a"), kv_full("b")]
+    assert detector.admissible(sched, turn(), full) == full
+    cold = request(160)
+    cold.prefix = PrefixMatch(10, 16, {"a": PodMatch(2, {Medium.GPU: 2})})  # 20 % cached
+    assert detector.saturated(sched, cold, full)
+    # its compute backlog still counts: continuing work alone cannot pile onto the engines
+    assert detector.saturated(sched, turn(), [kv_full("a", 9000), kv_full("b", 9000)])
+    # with continuing work first turned off, the wait for KV holds it too
+    off = SaturationDetector(FlowControlConfig(max_predicted_ttft_seconds=1.0, continuation_share=0.0))
+    assert off.saturated(sched, turn(), full)
 
 
 def test_the_prior_alone_does_not_saturate_unless_allowed():

@@ -33,7 +33,11 @@ GPU time several times over and evict the contexts of the sessions already runni
 Saturation (:class:`SaturationDetector`) is asked per request: every healthy endpoint is at
 ``maxWaitingPerEndpoint`` / ``maxInFlightPerEndpoint`` (when set) or predicts a time to first token
 above ``maxPredictedTtftSeconds`` for it (profiles with a ``ttft-estimate-scorer``). A request let
-through is routed only among the endpoints within those bounds. Only work the router
+through is routed only among the endpoints within those bounds. For continuing work (see above)
+the prediction leaves out the wait for free KV: what makes a session's next turn slow is that wait
+at the endpoint holding its context, which holding the turn in the router does not shorten, and
+letting it out only to endpoints under the bound sends it where its context must be recomputed. Its
+compute backlog still counts, so continuing work alone cannot pile onto the engines. Only work the router
 has dispatched counts toward an endpoint's load (queued requests are in no ledger and no engine
 queue), so the estimate falls as endpoints drain and the queue cannot starve itself; an endpoint
 with none of this router's requests in flight is never saturated, so an idle endpoint always takes
@@ -93,8 +97,10 @@ class FlowControlConfig(msgspec.Struct, forbid_unknown_fields=True, rename="came
     continuation_share: float = 0.9
     """A request whose prompt is at least this share cached somewhere (the index's longest match
     over the endpoints and the shared tier) continues work the fleet holds: while requests wait, it
-    goes ahead of the others of its priority (0: off). Under overload the cold and recomputed
-    prompts wait, and are shed at the deadline, rather than the turns of sessions in progress."""
+    goes ahead of the others of its priority, and the predicted-TTFT test leaves out its wait for
+    free KV (0: off).
+    Under overload the cold and recomputed prompts wait, and are shed at the deadline, rather than
+    the turns of sessions in progress."""
 
     def __post_init__(self) -> None:
         for name in ("max_predicted_ttft_seconds", "max_queue_wait_seconds"):
@@ -477,7 +483,8 @@ class SaturationDetector:
         Endpoints at ``maxWaitingPerEndpoint`` or ``maxInFlightPerEndpoint`` (those that are set)
         are left out, and so are those whose predicted TTFT for the request is above
         ``maxPredictedTtftSeconds`` (profiles that predict one, once a speed is learned unless
-        ``requireLearnedSpeed`` is off). When that leaves none, endpoints with none of the router's
+        ``requireLearnedSpeed`` is off; for a request continuing cached work, by
+        ``continuationShare``, without the wait for free KV). When that leaves none, endpoints with none of the router's
         requests in flight are still admissible: an idle endpoint always takes work, however long
         the prompt. Below saturation, with no load bound set, this is every healthy endpoint whose
         prediction is within the bound (all of them, with the default 10 s).
@@ -512,7 +519,13 @@ class SaturationDetector:
             and (not cfg.require_learned_speed or any(e.seconds_per_prefill_token > 0 for e in room))
             and not all(e.in_flight == 0 for e in room)  # nothing ahead: its own prefill is no saturation
         ):
-            predicted = scheduler.predicted_ttfts(request, room)
+            if request.prefix is None:
+                request.prefix = scheduler.match(request)
+            # a session's next turn is held only for the work queued ahead of it, not for its own
+            # (its holder's wait for free KV, mostly): that it would wait as long in the router,
+            # and let out to an endpoint with free KV it recomputes its context there
+            continuing = continues_cached_work(request.prefix, request.num_tokens, cfg.continuation_share)
+            predicted = scheduler.predicted_ttfts(request, room, work_ahead_only=continuing)
             if predicted is not None:
                 room = [e for e in room if predicted.get(e.pod, math.inf) <= bound]
         return room or [e for e in healthy if e.in_flight == 0]

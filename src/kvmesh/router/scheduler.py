@@ -226,7 +226,7 @@ class Scheduler:
         return None if result is None else result.ranked
 
     def predicted_ttfts(
-        self, request: RoutingRequest, endpoints: list[EndpointState]
+        self, request: RoutingRequest, endpoints: list[EndpointState], *, work_ahead_only: bool = False
     ) -> dict[PodId, float] | None:
         """The time to first token the deciding profile predicts for ``request`` on each endpoint.
 
@@ -237,6 +237,8 @@ class Scheduler:
         Args:
             request: the request; ``request.prefix`` is filled from the index when ``None``.
             endpoints: current state of every known endpoint; unhealthy ones are skipped.
+            work_ahead_only: only the work queued ahead of the request (the estimate's queue
+                term), none of its own.
 
         Returns:
             Seconds per endpoint that passes the profile's filters, or ``None`` when the profile has
@@ -255,6 +257,8 @@ class Scheduler:
             if not candidates:
                 break
             candidates = flt.filter(request, candidates)
+        if work_ahead_only:
+            return {e.pod: estimator.work_ahead(e) for e in candidates}
         return {e.pod: estimator.estimate(request, e) for e in candidates}
 
     def _prepare(self, request: RoutingRequest, endpoints: list[EndpointState]) -> list[EndpointState]:

@@ -93,6 +93,13 @@ class TTFTEstimateScorer:
         kv_priced = self.kv_price.enabled
         return self._estimate(request.prefix, request.num_tokens, kv_priced, kv_wait, endpoint)[0]
 
+    def work_ahead(self, endpoint: EndpointState) -> float:
+        """Seconds of work queued at ``endpoint`` before a new request's prefill: the estimate's
+        queue term alone (no transfer, no KV price, none of the request's own work)."""
+        budget = self.max_batched_tokens
+        spt = self.seconds_per_token(endpoint) * budget / max(budget - endpoint.running, budget * 0.1)
+        return max(endpoint.pending_prefill_tokens * spt, endpoint.waiting * self.queued_request_s)
+
     def _estimate(
         self, prefix: PrefixMatch | None, num: int, kv_priced: bool, kv_wait: bool, endpoint: EndpointState
     ) -> tuple[float, float, float]:
