@@ -33,12 +33,12 @@ GPU time several times over and evict the contexts of the sessions already runni
 Saturation (:class:`SaturationDetector`) is asked per request: every healthy endpoint is at
 ``maxWaitingPerEndpoint`` / ``maxInFlightPerEndpoint`` (when set) or predicts a time to first token
 above ``maxPredictedTtftSeconds`` for it (profiles with a ``ttft-estimate-scorer``). A request let
-through is routed only among the endpoints within those bounds. For continuing work (see above)
-the prediction leaves out the wait for free KV: what makes a session's next turn slow is that wait
-at the endpoint holding its context, which holding the turn in the router does not shorten, and
-letting it out only to endpoints under the bound sends it where its context must be recomputed. Its
-compute backlog still counts, so continuing work alone cannot pile onto the engines. Only work the router
-has dispatched counts toward an endpoint's load (queued requests are in no ledger and no engine
+through is routed only among the endpoints within those bounds. Continuing work (see above) is
+tested on the work queued ahead of it only, not its own: what makes a session's next turn slow is
+the wait for free KV at the endpoint holding its context, which holding the turn in the router does
+not shorten, and letting it out only to endpoints under the bound sends it where its context must
+be recomputed. The backlog still counts, so continuing work alone cannot pile onto the engines.
+Only work the router has dispatched counts toward an endpoint's load (queued requests are in no ledger and no engine
 queue), so the estimate falls as endpoints drain and the queue cannot starve itself; an endpoint
 with none of this router's requests in flight is never saturated, so an idle endpoint always takes
 the head of the queue, however long its prompt.
@@ -97,8 +97,8 @@ class FlowControlConfig(msgspec.Struct, forbid_unknown_fields=True, rename="came
     continuation_share: float = 0.9
     """A request whose prompt is at least this share cached somewhere (the index's longest match
     over the endpoints and the shared tier) continues work the fleet holds: while requests wait, it
-    goes ahead of the others of its priority, and the predicted-TTFT test leaves out its wait for
-    free KV (0: off).
+    goes ahead of the others of its priority, and the predicted-TTFT test counts only the work
+    queued ahead of it (0: off).
     Under overload the cold and recomputed prompts wait, and are shed at the deadline, rather than
     the turns of sessions in progress."""
 
@@ -484,9 +484,9 @@ class SaturationDetector:
         are left out, and so are those whose predicted TTFT for the request is above
         ``maxPredictedTtftSeconds`` (profiles that predict one, once a speed is learned unless
         ``requireLearnedSpeed`` is off; for a request continuing cached work, by
-        ``continuationShare``, without the wait for free KV). When that leaves none, endpoints with none of the router's
-        requests in flight are still admissible: an idle endpoint always takes work, however long
-        the prompt. Below saturation, with no load bound set, this is every healthy endpoint whose
+        ``continuationShare``, the work queued ahead of it only). When that leaves none, endpoints
+        with none of the router's requests in flight are still admissible: an idle endpoint always
+        takes work, however long the prompt. Below saturation, with no load bound set, this is every healthy endpoint whose
         prediction is within the bound (all of them, with the default 10 s).
 
         Args:
