@@ -38,8 +38,8 @@ tested on the work queued ahead of it only, not its own: what makes a session's 
 the wait for free KV at the endpoint holding its context, which holding the turn in the router does
 not shorten, and letting it out only to endpoints under the bound sends it where its context must
 be recomputed. The backlog still counts, so continuing work alone cannot pile onto the engines.
-Only work the router has dispatched counts toward an endpoint's load (queued requests are in no ledger and no engine
-queue), so the estimate falls as endpoints drain and the queue cannot starve itself; an endpoint
+Only work the router has dispatched counts toward an endpoint's load (queued requests are in no
+ledger and no engine queue), so the estimate falls as endpoints drain and the queue cannot starve itself; an endpoint
 with none of this router's requests in flight is never saturated, so an idle endpoint always takes
 the head of the queue, however long its prompt.
 """
@@ -87,7 +87,9 @@ class FlowControlConfig(msgspec.Struct, forbid_unknown_fields=True, rename="came
     """An endpoint with this many of the router's requests unfinished is saturated (0: off)."""
     max_queue_wait_seconds: float = 15.0
     """A request queued this long is answered 429 (the header ``x-kvmesh-max-queue-wait-ms`` may
-    only lower it)."""
+    only lower it). 15 s: under twice the load the simulated agentic fleet serves, 30 s let the
+    served p90 reach 3.2-3.5x its 1x value, 15 s 2.7-3.0x (docs/BENCHMARKS.md, "Overload with flow
+    control")."""
     max_queued_requests: int = 10_000
     """Requests queued at once; an arrival beyond it is answered 429 at once."""
     per_tenant_max_queued: int = 0
@@ -486,8 +488,8 @@ class SaturationDetector:
         ``requireLearnedSpeed`` is off; for a request continuing cached work, by
         ``continuationShare``, the work queued ahead of it only). When that leaves none, endpoints
         with none of the router's requests in flight are still admissible: an idle endpoint always
-        takes work, however long the prompt. Below saturation, with no load bound set, this is every healthy endpoint whose
-        prediction is within the bound (all of them, with the default 10 s).
+        takes work, however long the prompt. Below saturation, with no load bound set, this is
+        every healthy endpoint whose prediction is within the bound (all of them, with the default 10 s).
 
         Args:
             scheduler: predicts TTFT with its deciding profile (fills ``request.prefix`` when
@@ -521,9 +523,9 @@ class SaturationDetector:
         ):
             if request.prefix is None:
                 request.prefix = scheduler.match(request)
-            # a session's next turn is held only for the work queued ahead of it, not for its own
-            # (its holder's wait for free KV, mostly): that it would wait as long in the router,
-            # and let out to an endpoint with free KV it recomputes its context there
+            # a session's next turn is held only for the work queued ahead of it: its own wait (for
+            # free KV at its holder, mostly) is as long in the router, and an endpoint under the
+            # bound would recompute its context
             continuing = continues_cached_work(request.prefix, request.num_tokens, cfg.continuation_share)
             predicted = scheduler.predicted_ttfts(request, room, work_ahead_only=continuing)
             if predicted is not None:

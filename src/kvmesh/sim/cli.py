@@ -99,7 +99,7 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="S",
-        help="flow control: seconds a request may wait in the router before it is shed (default 30)",
+        help="flow control: seconds a request may wait in the router before it is shed (default 15)",
     )
     p.add_argument(
         "--max-in-flight-per-replica",

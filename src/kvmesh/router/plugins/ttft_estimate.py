@@ -96,8 +96,15 @@ class TTFTEstimateScorer:
     def work_ahead(self, endpoint: EndpointState) -> float:
         """Seconds of work queued at ``endpoint`` before a new request's prefill: the estimate's
         queue term alone (no transfer, no KV price, none of the request's own work)."""
+        return self._queue_s(endpoint, self._shared_seconds_per_token(endpoint))
+
+    def _shared_seconds_per_token(self, endpoint: EndpointState) -> float:
+        """Seconds per prompt token with the step's budget shared with running decodes."""
         budget = self.max_batched_tokens
-        spt = self.seconds_per_token(endpoint) * budget / max(budget - endpoint.running, budget * 0.1)
+        share = max(budget - endpoint.running, budget * 0.1) / budget
+        return self.seconds_per_token(endpoint) / share
+
+    def _queue_s(self, endpoint: EndpointState, spt: float) -> float:
         return max(endpoint.pending_prefill_tokens * spt, endpoint.waiting * self.queued_request_s)
 
     def _estimate(
@@ -120,16 +127,14 @@ class TTFTEstimateScorer:
                         transfer += tokens * bytes_per_token / (gbps * 1e9)
                     else:
                         on_device += tokens
-        budget = self.max_batched_tokens
-        share = max(budget - endpoint.running, budget * 0.1) / budget
-        spt = self.seconds_per_token(endpoint) / share
+        spt = self._shared_seconds_per_token(endpoint)
         context = self.attention_context_tokens(endpoint)
         if context > 0:
             start = min(cached, num - 1)  # a full hit still computes the last token
             own = max(prefill_work(start, num, context), 1.0)
         else:
             own = max(num - cached, 1)
-        queue = max(endpoint.pending_prefill_tokens * spt, endpoint.waiting * self.queued_request_s)
+        queue = self._queue_s(endpoint, spt)
         if kv_priced:
             # a load from a lower tier takes device KV as a recompute does
             queue += self.kv_price.seconds(endpoint, num, num - on_device, spt, wait=kv_wait)
