@@ -49,6 +49,25 @@ async def test_early_exit_raises_with_log_tail(tmp_path):
         await wait_until(proc, _never, 20, "/health")
 
 
+async def test_early_exit_names_the_root_cause_above_a_long_tail(tmp_path):
+    # the cause scrolls out of the tail, as vLLM's worker traceback does under its wrapper error
+    script = (
+        "import sys\n"
+        "print('(EngineCore pid=7) ValueError: not enough memory for the KV cache')\n"
+        "for i in range(200): print(f'  frame {i}')\n"
+        "print('RuntimeError: Engine core initialization failed. See root cause above.')\n"
+        "sys.exit(1)\n"
+    )
+    proc = ManagedProcess("wrapped", [sys.executable, "-c", script], tmp_path / "wrapped.log")
+    proc.start()
+    with pytest.raises(FleetError) as caught:
+        await wait_until(proc, _never, 20, "/health")
+    report = str(caught.value)
+    assert "ValueError: not enough memory for the KV cache" in report
+    assert report.index("ValueError") < report.index("log tail:") < report.index("frame 199")
+    assert "frame 0\n" not in report
+
+
 async def _never() -> bool:
     return False
 

@@ -59,6 +59,7 @@ def pinning_vllm(
         replay_port=replay,
         model_dir=model_dir,
         store=str(store),
+        cpu_core=0,  # as every live vLLM here: vLLM's own "auto" binding reads the host's NUMA layout
     )
     live = LiveVllm(
         replica, ManagedProcess(replica.name, replica.argv(), folder / "vllm.log", env=replica.env())

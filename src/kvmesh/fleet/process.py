@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +25,22 @@ import aiohttp
 from kvmesh.errors import FleetError
 
 _PR_SET_PDEATHSIG = 1
+_EXCEPTION_LINE = re.compile(r"\b[A-Z]\w*(?:Error|Exception|Exit)\b: ")
+_MAX_CAUSES = 6
+
+
+def exception_lines(lines: Sequence[str]) -> list[str]:
+    """The distinct ``SomethingError: message`` lines of a log, first seen first.
+
+    A child's last lines often name only a wrapper (vLLM's "Engine core initialization failed. See
+    root cause above"); the exceptions raised before it are what a reader needs.
+    """
+    seen: dict[str, None] = {}
+    for line in lines:
+        match = _EXCEPTION_LINE.search(line)
+        if match is not None:
+            seen.setdefault(line[match.start() :].strip(), None)
+    return list(seen)[:_MAX_CAUSES]
 
 
 def _die_with_parent() -> None:
@@ -79,18 +96,29 @@ class ManagedProcess:
             except OSError as exc:
                 raise FleetError(f"cannot start {self.name} ({self.argv[0]}): {exc}") from exc
 
-    def log_tail(self, num_lines: int = 30) -> str:
+    def _log_lines(self) -> list[str]:
         try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
+            return self.log_path.read_text(errors="replace").splitlines()
         except OSError:
-            return ""
-        return "\n".join(lines[-num_lines:])
+            return []
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        return "\n".join(self._log_lines()[-num_lines:])
+
+    def exit_report(self) -> str:
+        """The exceptions a log names (root causes first), then its tail."""
+        lines = self._log_lines()
+        causes = exception_lines(lines)
+        head = "exceptions in the log:\n  " + "\n  ".join(causes) + "\nlog tail:\n" if causes else ""
+        return head + "\n".join(lines[-30:])
 
     def check_alive(self) -> None:
-        """Raise :class:`FleetError` with the log tail when the process has exited."""
+        """Raise :class:`FleetError` with the log's exceptions and tail when the process has exited."""
         code = self.returncode
         if code is not None:
-            raise FleetError(f"{self.name} exited with code {code}; log {self.log_path}:\n{self.log_tail()}")
+            raise FleetError(
+                f"{self.name} exited with code {code}; log {self.log_path}:\n{self.exit_report()}"
+            )
 
     def _signal_group(self, sig: signal.Signals) -> None:
         if self._proc is None:
