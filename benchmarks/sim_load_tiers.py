@@ -26,6 +26,9 @@ Workloads (sized so the whole matrix runs in about half an hour on two cores):
   200-token answers, 5 s between turns);
 - ``mooncake-conversation`` / ``mooncake-synthetic``: the bundled Mooncake FAST'25 traces, first
   2,000 requests, 3M KV tokens per pod.
+
+``--workloads agentic-fast-think,agentic-truncate-64k,agentic-long-sessions`` runs three agent shapes
+the default was not tuned on (``AGENTIC_VARIANTS``), judged by the same bars.
 """
 
 from __future__ import annotations
@@ -96,18 +99,53 @@ def _mooncake(name: str) -> Callable[[float], tuple[Workload, int | None]]:
     return build
 
 
+AGENTIC_VARIANTS: dict[str, dict[str, Any]] = {
+    "fast-think": {
+        "think_time_s": {"median": 0.3, "sigma": 1.0, "min": 0.02, "max": 60},
+        "output_len": {"median": 600, "sigma": 1.0, "min": 8, "max": 8192},
+    },
+    "truncate-64k": {
+        "tool_result_len": {"median": 2000, "sigma": 1.2, "min": 10, "max": 32768},
+        "max_context_tokens": 65536,
+        "on_cap": "truncate",
+    },
+    "long-sessions": {
+        "num_turns": {"median": 150, "sigma": 0.5, "min": 30, "max": 300},
+        "task_len": {"median": 15000, "sigma": 0.5, "min": 2000, "max": 40000},
+        "think_time_s": {"median": 3.0, "sigma": 1.5, "min": 0.05, "max": 300},
+    },
+}
+"""Agent shapes the default was not tuned on (selected by name, ``agentic-<variant>``; seed 7): a
+fast agent with reasoning-length outputs, heavy tool results cut at 64k tokens by truncation (each
+cut a real miss), and long sessions with large tasks and slow humans in the loop. Their loads are
+the agentic workload's (32 × load sessions), not knees of their own."""
+
+
+def _agentic_variant(variant: str) -> Callable[[float], tuple[Workload, int | None]]:
+    def build(load: float) -> tuple[Workload, int | None]:
+        workload, kv_tokens = _agentic(load)
+        assert isinstance(workload, AgenticWorkload)
+        return dataclasses.replace(workload, seed=7, **AGENTIC_VARIANTS[variant]), kv_tokens
+
+    return build
+
+
 BUILDERS: dict[str, Callable[[float], tuple[Workload, int | None]]] = {
     "agentic": _agentic,
     "multi-turn": _multi_turn,
     "mooncake-conversation": _mooncake("conversation"),
     "mooncake-synthetic": _mooncake("synthetic"),
 }
+"""The workloads the default is tuned on (the matrix)."""
+HELD_OUT: dict[str, Callable[[float], tuple[Workload, int | None]]] = {
+    f"agentic-{v}": _agentic_variant(v) for v in AGENTIC_VARIANTS
+}
 
 
 def run_point(job: tuple[str, float, str, str]) -> dict[str, Any]:
     """One simulation: (workload, absolute load factor, tier set-up, policy) → its figures."""
     name, load, tiers, policy = job
-    workload, kv_tokens = BUILDERS[name](load)
+    workload, kv_tokens = (BUILDERS | HELD_OUT)[name](load)
     config = FleetConfig(
         num_replicas=8,
         model_preset="qwen3-32b-h100-tp2",
@@ -167,7 +205,11 @@ def _find_knees(names: list[str], workers: int) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", default=",".join(BUILDERS))
+    ap.add_argument(
+        "--workloads",
+        default=",".join(BUILDERS),
+        help="comma-separated; also " + ", ".join(HELD_OUT) + " (agent shapes not tuned on)",
+    )
     ap.add_argument("--loads", default="0.5,1,2", help="multiples of each workload's knee")
     ap.add_argument("--tiers", default="gpu,cpu,shared")
     ap.add_argument("--policies", default="precise," + ",".join(BASELINES))
@@ -184,7 +226,11 @@ def main() -> None:
     loads = [float(x) for x in args.loads.split(",")]
     policies = args.policies.split(",")
     jobs = [
-        (n, KNEES[n] * f, t, p) for n in names for f in loads for t in args.tiers.split(",") for p in policies
+        (n, KNEES.get(n, 1.0) * f, t, p)
+        for n in names
+        for f in loads
+        for t in args.tiers.split(",")
+        for p in policies
     ]
     results = _run_all(jobs, args.jobs)
     order = {j: i for i, j in enumerate(jobs)}
