@@ -27,6 +27,7 @@ from kvmesh.errors import FleetError
 _PR_SET_PDEATHSIG = 1
 _EXCEPTION_LINE = re.compile(r"\b[A-Z]\w*(?:Error|Exception|Exit)\b: ")
 _MAX_CAUSES = 6
+_TAIL_LINES = 30
 
 
 def exception_lines(lines: Sequence[str]) -> list[str]:
@@ -102,7 +103,7 @@ class ManagedProcess:
         except OSError:
             return []
 
-    def log_tail(self, num_lines: int = 30) -> str:
+    def log_tail(self, num_lines: int = _TAIL_LINES) -> str:
         return "\n".join(self._log_lines()[-num_lines:])
 
     def exit_report(self) -> str:
@@ -110,7 +111,7 @@ class ManagedProcess:
         lines = self._log_lines()
         causes = exception_lines(lines)
         head = "exceptions in the log:\n  " + "\n  ".join(causes) + "\nlog tail:\n" if causes else ""
-        return head + "\n".join(lines[-30:])
+        return head + "\n".join(lines[-_TAIL_LINES:])
 
     def check_alive(self) -> None:
         """Raise :class:`FleetError` with the log's exceptions and tail when the process has exited."""
