@@ -154,6 +154,20 @@ async def test_sse_is_relayed_without_buffering(engines):
         assert "kvmesh_router_realized_hit_tokens_total 160.0" in metrics
 
 
+async def test_a_sessions_turns_count_once_in_its_endpoints_session_kv(engines):
+    (e,) = await engines(1)
+    first = list(range(5000, 5600))
+    async with gateway_client([e]) as (gw, client):
+        assert gw.pool is not None
+        (state,) = gw.pool.states()
+        for prompt in (first, [*first, *range(9000, 9300)]):  # the second turn continues the first
+            resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+            await resp.read()
+        assert state.session_kv_tokens == 900
+        metrics = await (await client.get("/metrics")).text()
+        assert f'kvmesh_router_session_kv_tokens{{endpoint="{e.url}"}} 900.0' in metrics
+
+
 async def test_prefill_work_is_pending_until_the_first_chunk(engines):
     (e,) = await engines(1)
     e.prefill_gate = asyncio.Event()

@@ -88,13 +88,40 @@ def test_the_default_profile_prices_what_a_copy_evicts_and_the_wait_for_free_kv(
     config = load_scheduler_config("precise")
     s = Scheduler.from_config(config, index=InMemoryIndex(capacity=None), rng=random.Random(0))
     ttft = next(w.scorer for w in s.profiles["default"].scorers if isinstance(w.scorer, TTFTEstimateScorer))
-    assert ttft.kv_price == KVAdmissionPrice(turnover_s=0.0, evict_weight=0.5, learned_wait=True)
+    assert ttft.kv_price == KVAdmissionPrice(
+        turnover_s=0.0, evict_weight=0.5, learned_wait=True, session_weight=3.0
+    )
     config["plugins"][0]["parameters"]["kvTurnoverSeconds"] = 8
     config["plugins"][0]["parameters"]["kvWaitLearned"] = True
     s = Scheduler.from_config(config, index=InMemoryIndex(capacity=None), rng=random.Random(0))
     ttft = next(w.scorer for w in s.profiles["default"].scorers if isinstance(w.scorer, TTFTEstimateScorer))
     assert ttft.kv_price.turnover_s == 8.0
     assert ttft.kv_price.learned_wait
+
+
+def test_a_new_session_is_priced_with_the_overflow_of_the_live_sessions_held_there():
+    price = KVAdmissionPrice(session_weight=3.0)
+    crowded = EndpointState(OTHER, kv_capacity_tokens=8192, session_kv_tokens=7700)
+    roomy = EndpointState(OTHER, kv_capacity_tokens=8192, session_kv_tokens=2000)
+    # 1,024 new tokens beside 7,700 held: 532 overflow, priced as 3x their recompute
+    assert price.seconds(crowded, 1024, 1024, 0.001) == pytest.approx(3.0 * 532 * 0.001)
+    assert price.seconds(roomy, 1024, 1024, 0.001) == 0.0
+    # the overflow counts at most the prompt itself
+    full = EndpointState(OTHER, kv_capacity_tokens=8192, session_kv_tokens=20_000)
+    assert price.seconds(full, 1024, 1024, 0.001) == pytest.approx(3.0 * 1024 * 0.001)
+    # the session's own holder is not priced for it: it is one of the sessions held there
+    assert price.seconds(crowded, 1024, 64, 0.001) == 0.0
+
+
+def test_a_new_session_goes_where_the_live_sessions_leave_kv_for_it():
+    r = RoutingRequest("r", PROMPT, Namespace("m"))
+    r.prefix = PrefixMatch(64, 16)
+    # the crowded endpoint is idle right now (its sessions are between turns); the other is busier
+    crowded = EndpointState(HOLDER, kv_capacity_tokens=8192, session_kv_tokens=8000)
+    busier = EndpointState(OTHER, pending_prefill_tokens=300, kv_capacity_tokens=8192, session_kv_tokens=1000)
+    assert scorer(KVAdmissionPrice()).score(r, [crowded, busier]) == [1.0, pytest.approx(1024 / 1324)]
+    priced = scorer(KVAdmissionPrice(session_weight=3.0)).score(r, [crowded, busier])
+    assert priced[1] == 1.0 and priced[0] < 1.0
 
 
 def test_a_short_prompt_waits_its_shortfall_at_the_learned_release_rate():

@@ -22,6 +22,8 @@
 ``kvmesh_router_pending_prefill_requests{...}`` requests sent to an endpoint with no first token yet
 ``kvmesh_router_endpoint_kv_capacity_tokens``  each endpoint's device KV capacity (``/kvmesh/info`` or
                                                 ``vllm:cache_config_info``; 0 unknown)
+``kvmesh_router_session_kv_tokens{endpoint}``   latest prompts of the live sessions whose last turn
+                                                went there (:mod:`kvmesh.router.session_contexts`)
 ``kvmesh_router_prefill_tokens_per_second``     the pool's prefill speed learned from first tokens
                                                 (0 until learned)
 ``kvmesh_router_attention_context_tokens``      the context at which attention doubles a prompt
@@ -129,17 +131,24 @@ class EndpointLoadCollector(ScrapeCollector[Iterable[EndpointState]]):
             "Device KV capacity of each endpoint in tokens (0 unknown)",
             labels=["endpoint"],
         )
+        sessions = GaugeMetricFamily(
+            "kvmesh_router_session_kv_tokens",
+            "Latest prompts of the live sessions whose last turn was routed to an endpoint",
+            labels=["endpoint"],
+        )
         speed = context = 0.0
         for state in self._source():
             pending.add_metric([state.pod], state.pending_prefill_tokens)
             pending_requests.add_metric([state.pod], state.pending_prefills)
             capacity.add_metric([state.pod], state.kv_capacity_tokens)
+            sessions.add_metric([state.pod], state.session_kv_tokens)
             if state.seconds_per_prefill_token > 0:
                 speed = 1.0 / state.seconds_per_prefill_token
             context = state.attention_context_tokens or context
         yield pending
         yield pending_requests
         yield capacity
+        yield sessions
         yield GaugeMetricFamily(
             "kvmesh_router_prefill_tokens_per_second",
             "Prefill speed learned from first-token times (0 until learned)",

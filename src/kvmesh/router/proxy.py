@@ -126,7 +126,9 @@ class UpstreamProxy:
                 continue
             pool.begin_request(pod)
             hit = routing.prefix.hit_tokens(pod) if routing.prefix is not None else 0
-            ledger.sent(rid, endpoint.state, routing.num_tokens - hit, time.perf_counter(), cached=hit)
+            now = time.perf_counter()
+            ledger.sent(rid, endpoint.state, routing.num_tokens - hit, now, cached=hit)
+            ledger.sessions.routed(routing, endpoint.state, now)
             try:
                 upstream = await self.session.post(
                     self._upstream_url(pod, request.path), data=raw, headers=headers, timeout=self._timeout

@@ -65,6 +65,8 @@ class EndpointState:
             lately, as this router saw them end (:mod:`kvmesh.router.kv_release`); 0 unknown.
         kv_releases: when the answers running there release their KV, as this router saw them
             start (:mod:`kvmesh.router.kv_forecast`); ``None``: none seen.
+        session_kv_tokens: the latest prompts of the live sessions whose last turn this router
+            sent there: the device KV they will ask for again (:mod:`kvmesh.router.session_contexts`).
         lora: the endpoint's LoRA adapters (``vllm:lora_requests_info``, ``/v1/models``); ``None``
             when it reports none.
     """
@@ -85,6 +87,7 @@ class EndpointState:
     kv_capacity_tokens: int = 0
     kv_release_tokens_per_s: float = 0.0
     kv_releases: KVReleases | None = None
+    session_kv_tokens: int = 0
     lora: LoraState | None = None
 
 

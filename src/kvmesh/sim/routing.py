@@ -237,7 +237,9 @@ class SimRouter:
         state.in_flight += 1
         hit = prefix.hit_tokens(target)
         uncached = (req.prompt_len or len(req.tokens)) - hit
-        self._ledgers[gateway].sent(req.request_id, state, uncached, now, cached=hit)
+        ledger = self._ledgers[gateway]
+        ledger.sent(req.request_id, state, uncached, now, cached=hit)
+        ledger.sessions.routed(request, state, now)
         self._awaiting_first_token[gateway].append(req)
         self.num_routed += 1
         self.routed_by_gateway[gateway] += 1

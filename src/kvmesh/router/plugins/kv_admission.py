@@ -9,6 +9,13 @@ queue, decide whether moving a session beats waiting at its holder.
 How fast an engine frees KV depends on its decodes (long agent outputs free it slowly, short chat
 answers fast), so the wait is priced at the rate the router saw the endpoint's requests end
 (:mod:`kvmesh.router.kv_release`); a fixed turnover time is the fallback until one ended there.
+
+A new session (or one that moves) is priced for more than its first turn: it will come back with a
+longer context, and so will the live sessions the endpoint already holds
+(:mod:`kvmesh.router.session_contexts`). Where their contexts and the new prompt together outgrow the
+endpoint's KV, each turn there from now on waits for KV or recomputes what the others evicted; the
+overflow (at most the prompt) is priced as recompute, so new sessions spread over the endpoints
+whose KV can hold them and a busy holder's session moves only to one that can.
 """
 
 from __future__ import annotations
@@ -31,25 +38,33 @@ class KVAdmissionPrice:
             endpoint's seconds per token (0: evictions are free).
         learned_wait: a request short of ``x`` tokens of free KV waits ``x`` over the endpoint's
             learned release rate (``kv_release_tokens_per_s``) once one is known.
+        session_weight: a prompt placed where its prefix is not (a new session, or one that
+            moves) joins the live sessions held there (``session_kv_tokens``); the part of it
+            beyond what the endpoint's KV holds besides them is priced at this many times the
+            endpoint's seconds per token (0: not priced).
     """
 
     turnover_s: float = 0.0
     evict_weight: float = 0.0
     learned_wait: bool = False
+    session_weight: float = 0.0
 
     @classmethod
     def from_params(cls, params: Params) -> KVAdmissionPrice:
-        """``kvTurnoverSeconds``, ``evictWeight`` and ``kvWaitLearned`` of the TTFT scorer (0, 0 and
-        false: priced as compute only)."""
+        """``kvTurnoverSeconds``, ``evictWeight``, ``kvWaitLearned`` and ``sessionKVWeight`` of the
+        TTFT scorer (0, 0, false and 0: priced as compute only)."""
         return cls(
             params.number("kvTurnoverSeconds", 0.0, minimum=0.0),
             params.number("evictWeight", 0.0, minimum=0.0),
             params.boolean("kvWaitLearned", False),
+            params.number("sessionKVWeight", 0.0, minimum=0.0),
         )
 
     @property
     def enabled(self) -> bool:
-        return self.turnover_s > 0.0 or self.evict_weight > 0.0 or self.learned_wait
+        return (
+            self.turnover_s > 0.0 or self.evict_weight > 0.0 or self.learned_wait or self.session_weight > 0.0
+        )
 
     def seconds(
         self, endpoint: EndpointState, num_tokens: int, new_tokens: int, spt: float, *, wait: bool = True
@@ -66,6 +81,9 @@ class KVAdmissionPrice:
         if capacity <= 0:
             return 0.0
         evict = self.evict_weight * new_tokens * spt
+        if self.session_weight > 0.0 and 2 * new_tokens >= num_tokens:
+            crowded = endpoint.session_kv_tokens + num_tokens - capacity
+            evict += self.session_weight * min(max(crowded, 0), num_tokens) * spt
         if not wait and self.learned_wait:
             return evict
         free = (1.0 - endpoint.kv_cache_usage) * capacity

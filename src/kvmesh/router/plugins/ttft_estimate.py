@@ -10,6 +10,7 @@ from kvmesh.router.plugins.base import Params, PluginContext, Scorer, tier_map
 from kvmesh.router.plugins.kv_admission import KVAdmissionPrice
 from kvmesh.router.plugins.shared_prefix_ends import SharedPrefixEnds
 from kvmesh.router.prefill_speed import DEFAULT_MAX_CONTEXT_RATIO, prefill_work
+from kvmesh.router.session_contexts import DEFAULT_IDLE_S
 from kvmesh.router.types import EndpointState, PrefixMatch, RoutingRequest
 
 
@@ -67,6 +68,9 @@ class TTFTEstimateScorer:
     queue_weight: float = 0.0
     """A copy's recompute is priced once more for every ``1 / queue_weight`` requests queued at
     the endpoint it would run on (0: not at all)."""
+    session_idle_s: float = DEFAULT_IDLE_S
+    """How long a session not seen still counts in its endpoint's ``session_kv_tokens`` (the
+    router's prefill ledger keeps them: ``prefill_ledger_of``)."""
     shared_ends: SharedPrefixEnds = field(default_factory=SharedPrefixEnds)
     """Tells a hot shared prefix (not worth a second replica to skip a KV wait) from a session's own."""
 
@@ -180,6 +184,7 @@ def make_ttft_estimate_scorer(name: str, params: Params, ctx: PluginContext) -> 
         max_context_ratio=params.number("maxLearnedContextRatio", DEFAULT_MAX_CONTEXT_RATIO, minimum=1.0),
         kv_price=KVAdmissionPrice.from_params(params),
         queue_weight=params.number("recomputeQueueWeight", 0.0, minimum=0.0),
+        session_idle_s=params.number("sessionIdleSeconds", DEFAULT_IDLE_S, minimum=1e-9),
     )
 
 
