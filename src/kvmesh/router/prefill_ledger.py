@@ -33,7 +33,7 @@ from kvmesh.router.prefill_speed import (
     prefill_pairs,
     work_of,
 )
-from kvmesh.router.session_contexts import DEFAULT_IDLE_S, SessionContexts
+from kvmesh.router.session_contexts import SessionContexts
 from kvmesh.router.types import EndpointState
 
 
@@ -99,8 +99,9 @@ class PrefillLedger:
             the prior of the learned one.
         learn_context: learn the attention context (with ``learn`` and a positive prior).
         max_context_ratio: the learned attention context stays within this factor of the prior.
-        session_idle_s: a session not seen for this long no longer counts in an endpoint's
-            ``session_kv_tokens``.
+        session_idle_s: keep the live sessions of each endpoint (``sessions``), a session not
+            seen for this long no longer counting in its ``session_kv_tokens``; ``None``: not kept
+            (no price reads them).
 
     Raises:
         ValueError: ``decay`` outside (0, 1], a negative ``attention_context``, a
@@ -116,7 +117,7 @@ class PrefillLedger:
         attention_context: float = 0.0,
         learn_context: bool = True,
         max_context_ratio: float = DEFAULT_MAX_CONTEXT_RATIO,
-        session_idle_s: float = DEFAULT_IDLE_S,
+        session_idle_s: float | None = None,
     ) -> None:
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
@@ -137,7 +138,7 @@ class PrefillLedger:
         """How fast each endpoint frees device KV, from the requests seen to end there."""
         self.kv_forecast = KVReleaseForecast()
         """When each endpoint's running answers free their KV."""
-        self.sessions = SessionContexts(session_idle_s)
+        self.sessions = None if session_idle_s is None else SessionContexts(session_idle_s)
         """The live sessions each endpoint holds (the caller reports each routed request)."""
 
     def __len__(self) -> int:
@@ -158,7 +159,8 @@ class PrefillLedger:
         age the KV release rates)."""
         self.kv_release.refresh(now)
         self.kv_forecast.refresh(now)
-        self.sessions.expire(now)
+        if self.sessions is not None:
+            self.sessions.expire(now)
         spt = self._learned[0]
         for backlog in self._backlogs.values():
             if spt > 0 and backlog.left > 0:

@@ -128,7 +128,8 @@ class UpstreamProxy:
             hit = routing.prefix.hit_tokens(pod) if routing.prefix is not None else 0
             now = time.perf_counter()
             ledger.sent(rid, endpoint.state, routing.num_tokens - hit, now, cached=hit)
-            ledger.sessions.routed(routing, endpoint.state, now)
+            if ledger.sessions is not None:
+                ledger.sessions.routed(routing, endpoint.state, now)
             try:
                 upstream = await self.session.post(
                     self._upstream_url(pod, request.path), data=raw, headers=headers, timeout=self._timeout

@@ -239,7 +239,8 @@ class SimRouter:
         uncached = (req.prompt_len or len(req.tokens)) - hit
         ledger = self._ledgers[gateway]
         ledger.sent(req.request_id, state, uncached, now, cached=hit)
-        ledger.sessions.routed(request, state, now)
+        if ledger.sessions is not None:
+            ledger.sessions.routed(request, state, now)
         self._awaiting_first_token[gateway].append(req)
         self.num_routed += 1
         self.routed_by_gateway[gateway] += 1

@@ -127,8 +127,8 @@ def build_plugin(type_name: str, name: str, raw_params: Any, ctx: PluginContext)
 def prefill_ledger_of(config: Mapping[str, Any]) -> PrefillLedger:
     """A prefill ledger that weighs outstanding work as the config's first ``ttft-estimate-scorer``
     weighs a prompt (``attentionContextTokens``, the prior of the attention context the ledger learns
-    unless ``learnAttentionContext`` is false, within ``maxLearnedContextRatio`` of it) and keeps its
-    live sessions for ``sessionIdleSeconds``; plain tokens where no such scorer is configured.
+    unless ``learnAttentionContext`` is false, within ``maxLearnedContextRatio`` of it) and, where it
+    prices live sessions (``sessionKVWeight``), keeps them for ``sessionIdleSeconds``; plain tokens where no such scorer is configured.
 
     Raises:
         ConfigError: the scorer's parameters are malformed.
@@ -143,7 +143,7 @@ def prefill_ledger_of(config: Mapping[str, Any]) -> PrefillLedger:
                 attention_context=scorer.attention_context,
                 learn_context=scorer.learn_context,
                 max_context_ratio=scorer.max_context_ratio,
-                session_idle_s=scorer.session_idle_s,
+                session_idle_s=scorer.session_idle_s if scorer.kv_price.session_weight > 0 else None,
             )
     return PrefillLedger()
 
