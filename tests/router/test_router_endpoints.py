@@ -12,7 +12,8 @@ from router_fakes import free_port
 
 from kvmesh.errors import ConfigError
 from kvmesh.router.config import load_router_config, router_config_from_dict
-from kvmesh.router.endpoints import _reachable, normalize_url, parse_prometheus_gauges
+from kvmesh.router.endpoints import _reachable, normalize_url
+from kvmesh.router.exposition import parse_prometheus_gauges
 
 
 def test_normalize_url():

@@ -41,6 +41,7 @@ from kvmesh.core.tenancy import Role
 from kvmesh.core.types import PodId
 from kvmesh.errors import ConfigError
 from kvmesh.router.cache_config import CacheConfigWatch
+from kvmesh.router.exposition import gauge_totals
 from kvmesh.router.idle_backoff import IdleBackoff
 from kvmesh.router.lora_state import LoraState, adapters_of_models, parse_lora_info
 from kvmesh.router.types import EndpointState
@@ -55,6 +56,7 @@ back), since timeouts close the connection of a request that hangs."""
 _WAITING = ("vllm:num_requests_waiting",)
 _RUNNING = ("vllm:num_requests_running",)
 _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_GAUGES = (*_WAITING, *_RUNNING, *_KV_USAGE)
 
 MODELS_REFRESH_S = 30.0
 """Seconds between ``/v1/models`` reads of an endpoint that serves LoRA adapters (adapters can be
@@ -133,35 +135,6 @@ def _reachable(zmq_endpoint: str | None, url: PodId) -> str | None:
     if host in ("*", "0.0.0.0", "[::]", "::", ""):
         return f"tcp://{urlsplit(url).hostname}:{port}"
     return zmq_endpoint
-
-
-def parse_prometheus_gauges(text: str) -> dict[str, float]:
-    """Sum every sample of each metric name in a Prometheus text exposition.
-
-    Only plain finite samples are read; comments, malformed lines, NaN and infinities are skipped.
-    """
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        brace = line.find("{")
-        if brace >= 0:
-            name = line[:brace]
-            end = line.rfind("}")
-            rest = line[end + 1 :].split()
-        else:
-            name, _, tail = line.partition(" ")
-            rest = tail.split()
-        if not rest:
-            continue
-        try:
-            value = float(rest[0])
-        except ValueError:
-            continue
-        if not math.isfinite(value):
-            continue
-        totals[name] = totals.get(name, 0.0) + value
-    return totals
 
 
 class EndpointPool:
@@ -395,7 +368,7 @@ class EndpointPool:
                 text = await resp.text()
         except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
             return
-        gauges = parse_prometheus_gauges(text)
+        gauges = gauge_totals(text, _GAUGES)
         state = endpoint.state
         for name in _WAITING:
             if name in gauges:

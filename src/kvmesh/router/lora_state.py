@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvmesh.router.exposition import has_line, sample_lines
+
 LORA_INFO_METRIC = "vllm:lora_requests_info"
 _TYPE_LINE = f"# TYPE {LORA_INFO_METRIC} gauge"
 
@@ -75,24 +77,19 @@ def parse_lora_info(text: str) -> LoraState | None:
         step); ``None`` when the endpoint does not export it (LoRA off, or not vLLM).
     """
     best: tuple[float, str] | None = None
-    declared = False
-    prefix = LORA_INFO_METRIC + "{"
-    for line in text.splitlines():
-        if not line.startswith(prefix):
-            declared = declared or line == _TYPE_LINE
-            continue
+    for line in sample_lines(text, LORA_INFO_METRIC):
         end = line.rfind("}")
         rest = line[end + 1 :].split()
-        if end < 0 or not rest:
+        if line[len(LORA_INFO_METRIC)] != "{" or end < 0 or not rest:
             continue
         try:
             stamp = float(rest[0])
         except ValueError:
             continue
         if math.isfinite(stamp) and (best is None or stamp >= best[0]):
-            best = (stamp, line[len(prefix) : end])
+            best = (stamp, line[len(LORA_INFO_METRIC) + 1 : end])
     if best is None:
-        return LoraState() if declared else None
+        return LoraState() if has_line(text, _TYPE_LINE) else None
     labels = {key: value.replace('\\"', '"').replace("\\\\", "\\") for key, value in _LABEL.findall(best[1])}
     try:
         max_lora = max(int(labels.get("max_lora", "0")), 0)
