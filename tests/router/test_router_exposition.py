@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvmesh.router.exposition import gauge_totals, has_line, parse_prometheus_gauges, sample_lines
@@ -25,7 +25,8 @@ def exposition_lines(draw: st.DrawFn) -> str:
     if kind == "plain":
         return f"{name} {value}"
     if kind == "labels":
-        return f'{name}{{a="{draw(_label_values)}",running_lora_adapters="x,y"}} {value} 123'
+        adapters = draw(st.sampled_from(["x", "x,y", "z", ""]))
+        return f'{name}{{a="{draw(_label_values)}",running_lora_adapters="{adapters}"}} {value} 123'
     if kind == "comment":
         return f"# HELP {name} help"
     if kind == "type":
@@ -84,17 +85,29 @@ def _lora_reference(text: str) -> tuple[float, str] | None:
 
 
 @given(expositions)
+@example('vllm:lora_requests_info{a="\\",running_lora_adapters="x,y"} 1 123')
 def test_lora_info_is_the_newest_sample(text: str) -> None:
     state = parse_lora_info(text)
     newest = _lora_reference(text)
     if newest is None:
         declared = f"# TYPE {LORA_INFO_METRIC} gauge" in _lines(text)
         assert state == (LoraState() if declared else None)
-    else:
-        assert state is not None
-        assert state.running == (
-            frozenset({"x", "y"}) if "running_lora_adapters" in newest[1] else frozenset()
-        )
+    else:  # the state the newest sample alone gives (its labels read as any sample's are)
+        assert state == parse_lora_info(f"{LORA_INFO_METRIC}{{{newest[1]}}} 1\n")
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 50), st.sampled_from(["x", "x,y", "z", ""])), min_size=1, max_size=6)
+)
+def test_lora_info_takes_the_latest_stamp(samples: list[tuple[int, str]]) -> None:
+    lines = [f'{LORA_INFO_METRIC}{{max_lora="2",running_lora_adapters="{a}"}} {t}' for t, a in samples]
+    text = "# TYPE vllm:h histogram\nvllm:h_bucket 1\n" + "\n".join(lines) + "\n"
+    latest = max(t for t, _ in samples)
+    adapters = [a for t, a in samples if t == latest][-1]  # of equal stamps, the last printed
+    state = parse_lora_info(text)
+    assert state is not None
+    assert state.running == frozenset(filter(None, adapters.split(",")))
+    assert state.max_lora == 2
 
 
 def test_gauges_of_a_vllm_sized_page() -> None:
