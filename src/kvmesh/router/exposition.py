@@ -10,7 +10,7 @@ Python, finding the few wanted names with ``str.find`` about a tenth of that
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 
 def sample_lines(text: str, name: str) -> list[str]:
@@ -21,30 +21,30 @@ def sample_lines(text: str, name: str) -> list[str]:
     """
     found: list[str] = []
     size = len(name)
-    start = 0 if text.startswith(name) else _next_line_starting(text, name, 0)
-    while start >= 0:
-        end = text.find("\n", start)
-        if end < 0:
-            end = len(text)
+    for start in _line_starts(text, name):
         if text[start + size : start + size + 1] in ("{", " "):
-            found.append(text[start:end].rstrip("\r"))
-        start = _next_line_starting(text, name, end)
+            end = text.find("\n", start)
+            found.append(text[start : end if end >= 0 else len(text)].rstrip("\r"))
     return found
 
 
 def has_line(text: str, line: str) -> bool:
     """Whether ``line`` is one of the exposition's lines, whole."""
-    start = 0 if text.startswith(line) else _next_line_starting(text, line, 0)
-    while start >= 0:
-        if text[start + len(line) : start + len(line) + 1] in ("", "\n", "\r"):
-            return True
-        start = _next_line_starting(text, line, start + len(line))
-    return False
+    size = len(line)
+    return any(
+        text[start + size : start + size + 1] in ("", "\n", "\r") for start in _line_starts(text, line)
+    )
 
 
-def _next_line_starting(text: str, name: str, pos: int) -> int:
-    at = text.find("\n" + name, pos)
-    return at + 1 if at >= 0 else -1
+def _line_starts(text: str, prefix: str) -> Iterator[int]:
+    """Where each line that starts with ``prefix`` starts, found with ``str.find``."""
+    if text.startswith(prefix):
+        yield 0
+    needle = "\n" + prefix
+    at = text.find(needle)
+    while at >= 0:
+        yield at + 1
+        at = text.find(needle, at + len(needle))
 
 
 def sample_value(line: str) -> tuple[str, float] | None:
