@@ -50,6 +50,8 @@ class RequestResult:
     error: str | None = None
     group: str | None = None
     endpoint: str | None = None
+    cache_note: str | None = None
+    """The router's ``x-kvmesh-cache`` header (its prediction on a stream), when it sent one."""
 
     @property
     def tpot_s(self) -> float | None:

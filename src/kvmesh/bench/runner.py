@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvmesh.bench.metrics import QueueSample, RequestResult, RunResult, summarize, summarize_stages
+from kvmesh.core.cache_usage import CACHE_HEADER
 from kvmesh.workload import RequestSpec, Workload
 
 ENDPOINT_HEADER = "x-kvmesh-endpoint"
@@ -111,6 +112,7 @@ async def send_request(
     try:
         async with session.post(options.base_url.rstrip("/") + path, json=body, headers=headers) as resp:
             result.endpoint = resp.headers.get(ENDPOINT_HEADER)
+            result.cache_note = resp.headers.get(CACHE_HEADER)
             if resp.status >= 400:
                 text = await resp.text()
                 result.error = f"HTTP {resp.status}: {text[:300]}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections import Counter
 from collections.abc import Sequence
 
 from kvmesh.bench.metrics import RequestResult
@@ -37,6 +38,22 @@ HIT_RATE_GAP_BOUND = 0.02
 def decisions_without_cache_data(results: Sequence[RequestResult]) -> int:
     """Successful requests for an already-served prompt that got no cached token."""
     return sum(1 for r in results if r.ok and r.group is not None and r.cached_tokens == 0)
+
+
+def reasons_without_cache_data(results: Sequence[RequestResult]) -> str:
+    """Those requests counted by the router's miss reason (``x-kvmesh-cache``), as ``reason:n,...``."""
+    reasons = Counter(
+        _miss_reason(r.cache_note) for r in results if r.ok and r.group is not None and r.cached_tokens == 0
+    )
+    return ",".join(f"{reason}:{n}" for reason, n in reasons.most_common())
+
+
+def _miss_reason(note: str | None) -> str:
+    for part in (note or "").split(";"):
+        key, _, value = part.partition("=")
+        if key.strip() == "reason":
+            return value.strip()
+    return "unreported"
 
 
 def _warm(results: Sequence[RequestResult]) -> list[RequestResult]:
@@ -129,6 +146,7 @@ async def rolling_restart(ctx: ChaosContext) -> ScenarioResult:
         requests_disturbed=len(disturbed),
         warm_requests_disturbed=len(warm),
         decisions_without_cache_data=blind,
+        reasons_without_cache_data=reasons_without_cache_data(disturbed),
         decisions_without_cache_data_undisturbed=decisions_without_cache_data(undisturbed),
         hit_rate_undisturbed=hit_rate(undisturbed),
         hit_rate_disturbed=hit_rate(disturbed),

@@ -41,6 +41,14 @@ def _queued_tier(name: str, backend: Backend, timeout_s: float, config: StoreCon
     )
 
 
+def redis_socket_timeout_s(config: StoreConfig) -> float:
+    """The Redis client's own socket limit: a backstop, ten times the tier's timeout. The tiered store
+    decides when a call failed, with limits that grow with the bytes moved (a background load of a
+    long prefix may take tens of seconds); one reply of a large read stalled past a tight socket
+    limit on a busy machine turned such a load into a recompute many times slower."""
+    return max(config.remote_timeout_s * 10, 5.0)
+
+
 def build_tiers(config: StoreConfig) -> list[Tier]:
     """The tiers ``config`` asks for, fastest first (may be empty)."""
     tiers: list[Tier] = []
@@ -59,7 +67,7 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
             config.remote_url,
             key_prefix=config.redis_key_prefix,
             ttl_s=config.redis_ttl_s,
-            socket_timeout_s=max(config.remote_timeout_s * 2, 1.0),
+            socket_timeout_s=redis_socket_timeout_s(config),
             max_connections=config.redis_max_connections,
         )
         tiers.append(_queued_tier("redis", redis, config.remote_timeout_s, config))

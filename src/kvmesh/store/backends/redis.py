@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -31,6 +31,7 @@ from kvmesh.store.backends.redis_pins import RedisPinLedger
 from kvmesh.store.keys import StoreKey
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _SCHEMES = {
     "redis": ("redis", False),
@@ -45,6 +46,25 @@ _SCHEMES = {
 }
 _SCAN_COUNT = 1000
 _UNLINK_BATCH = 512
+MAX_PIPELINE_BYTES = 32 << 20
+"""Most value bytes one ``SET`` pipeline carries. The socket timeout bounds each send as a whole, so
+a write of a long prompt's chunks (30 float32 chunks of a small model are ~350 MiB) goes as several
+pipelines, each well inside the timeout on a busy machine, rather than one that outlasts it."""
+
+
+def byte_batches(calls: Sequence[_T], sizes: Sequence[int], limit: int) -> list[Sequence[_T]]:
+    """``calls`` cut, in order, into runs whose ``sizes`` add up to at most ``limit`` (a call larger
+    than ``limit`` runs alone)."""
+    batches: list[Sequence[_T]] = []
+    start = total = 0
+    for i, size in enumerate(sizes):
+        if i > start and total + size > limit:
+            batches.append(calls[start:i])
+            start, total = i, 0
+        total += size
+    if start < len(calls):
+        batches.append(calls[start:])
+    return batches
 
 
 def redact_url(url: str) -> str:
@@ -178,8 +198,10 @@ class RedisBackend:
         sets = [
             ("set", (self._key(k), memoryview(v) if isinstance(v, bytearray) else v), extra) for k, v in items
         ]
-        replies = await self._pipeline("SET", sets)
-        return sum(1 for r in replies if r)
+        stored = 0
+        for batch in byte_batches(sets, [len(v) for _, v in items], MAX_PIPELINE_BYTES):
+            stored += sum(1 for r in await self._pipeline("SET", batch) if r)
+        return stored
 
     async def delete_many(self, keys: Sequence[StoreKey]) -> int:
         if not keys:
