@@ -2,7 +2,10 @@
 
 import socket
 
-from kvmesh.core.net import LOOPBACK, free_port, free_ports
+import pytest
+
+from kvmesh.core import net
+from kvmesh.core.net import FIRST_PORT, LOOPBACK, MIN_RANGE, ephemeral_range, free_port, free_ports
 
 
 def test_free_ports_are_distinct_and_bindable():
@@ -11,3 +14,28 @@ def test_free_ports_are_distinct_and_bindable():
     for port in (*ports[:3], free_port()):
         with socket.socket() as sock:
             sock.bind((LOOPBACK, port))
+
+
+def test_ports_come_from_below_the_ephemeral_range():
+    low, _ = ephemeral_range()
+    if low - FIRST_PORT < MIN_RANGE:
+        pytest.skip(f"this kernel's ephemeral range starts at {low}")
+    ports = free_ports(50)
+    assert all(FIRST_PORT <= p < low for p in ports)
+
+
+def test_a_port_in_use_is_never_handed_out(monkeypatch):
+    # a range of 4 ports, the 1st and 3rd taken: each draw is the 2nd or the 4th
+    with socket.socket() as a, socket.socket() as b:
+        a.bind((LOOPBACK, 0))
+        first = a.getsockname()[1]
+        try:
+            b.bind((LOOPBACK, first + 2))
+        except OSError:
+            pytest.skip("the neighbouring port is in use")
+        monkeypatch.setattr(net, "FIRST_PORT", first)
+        monkeypatch.setattr(net, "MIN_RANGE", 0)
+        monkeypatch.setattr(net, "ephemeral_range", lambda: (first + 4, 65535))
+        for _ in range(20):
+            (port,) = free_ports(1)
+            assert port in {first + 1, first + 3}

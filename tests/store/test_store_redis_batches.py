@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -22,7 +24,7 @@ def test_byte_batches_keep_order_and_bound_every_run(sizes: list[int], limit: in
         total = sum(sizes[c] for c in batch)
         assert total <= limit or len(batch) == 1
     # each cut was needed: the next call would have overflowed the run before it
-    for before, after in zip(batches, batches[1:], strict=False):
+    for before, after in itertools.pairwise(batches):
         assert sum(sizes[c] for c in before) + sizes[after[0]] > limit
 
 

@@ -125,12 +125,14 @@ async def send_request(
                 result.ok = True
                 return result
             last = send
+            done = False
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data:"):
                     continue
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
+                    done = True
                     break
                 data = _json_decoder.decode(payload)
                 if not isinstance(data, dict):
@@ -151,9 +153,13 @@ async def send_request(
             result.e2e_s = last - send
             if result.output_tokens == 0:
                 result.output_tokens = chunks
-            result.ok = chunks > 0
-            if not result.ok:
+            # An OpenAI stream ends with [DONE]: one cut short (its engine stopped) lost its tail
+            # and its usage, whatever it streamed before.
+            result.ok = chunks > 0 and done
+            if chunks == 0:
                 result.error = "stream ended without output"
+            elif not done:
+                result.error = "stream ended before [DONE]"
     except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import itertools
 import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -183,6 +184,12 @@ class SteadyLoad:
 
 def num_failed(results: Sequence[RequestResult]) -> int:
     return sum(1 for r in results if not r.ok)
+
+
+def failure_kinds(results: Sequence[RequestResult], limit: int = 3) -> str:
+    """The most common errors of failed requests, as ``error × n`` joined by `` | ``."""
+    kinds = Counter((r.error or "no error text")[:120] for r in results if not r.ok)
+    return " | ".join(f"{error} × {n}" for error, n in kinds.most_common(limit))
 
 
 def hit_rate(results: Sequence[RequestResult]) -> float:

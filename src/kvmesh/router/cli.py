@@ -227,15 +227,22 @@ def _serve(args: argparse.Namespace, *, reuse_port: bool, banner: str | None) ->
     from kvmesh.router.gc_tuning import tune_for_serving
 
     tune_for_serving()
-    web.run_app(
-        app,
-        host=config.host,
-        port=config.port,
-        print=None,
-        access_log=None,
-        loop=loop,
-        reuse_port=reuse_port or None,
-    )
+    from kvmesh.router.serving import DRAIN_S, serve_until_signalled
+
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(
+            serve_until_signalled(
+                app, config.host, config.port, reuse_port=reuse_port, drain_s=DRAIN_S if reuse_port else 0.0
+            )
+        )
+    finally:
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
     return 0
 
 

@@ -17,6 +17,7 @@ own (not faster than once per :data:`RESPAWN_BACKOFF_S`) and stops them all on S
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import sys
 import time
@@ -102,11 +103,12 @@ class WorkerSupervisor:
         return restarted
 
     def stop(self) -> None:
-        """Ask every worker to stop (SIGTERM: the gateway shuts down cleanly), then wait."""
+        """Ask every worker to stop (SIGINT: at once, with no drain, since none stays to take
+        their clients; requests in flight finish), then wait."""
         self._stopping = True
         for slot in self._slots:
-            if slot.process.is_alive():
-                slot.process.terminate()
+            if slot.process.is_alive() and slot.process.pid is not None:
+                os.kill(slot.process.pid, signal.SIGINT)
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for slot in self._slots:
             slot.process.join(max(0.0, deadline - time.monotonic()))

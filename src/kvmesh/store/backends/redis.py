@@ -164,7 +164,9 @@ class RedisBackend:
     def _fail(self, op: str, exc: BaseException) -> TierUnavailableError:
         return TierUnavailableError(f"redis tier {self.url}: {op} failed: {exc}")
 
-    async def _pipeline(self, op: str, calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+    async def _pipeline(
+        self, op: str, calls: Sequence[tuple[str, tuple[Any, ...], dict[str, Any]]]
+    ) -> list[Any]:
         try:
             async with self._client.pipeline(transaction=False) as pipe:
                 for name, args, kwargs in calls:

@@ -1,0 +1,75 @@
+"""Serve the router's app until a signal; a worker sharing the port drains its clients first.
+
+aiohttp's own shutdown closes every idle keep-alive connection at once. A client that has just
+written its next request on one of them gets ``Server disconnected`` (HTTP/1.1 lets a server close
+an idle connection at any time, and clients do not resend a POST), so each worker of a rolling
+restart could fail a request under steady load. A worker of ``kvmesh router --workers N`` told to
+stop with SIGTERM therefore drains: its listening socket closes (new connections go to the workers
+sharing the port), every answer from then on says ``Connection: close``, and it waits up to
+:data:`DRAIN_S` for its clients to leave the connections they hold (clients close idle pooled
+connections after a while: aiohttp's after 15 s, httpx's after 5 s). Only then are the
+connections still open closed and requests in flight waited for.
+
+SIGINT stops at once (requests in flight still finish): the supervisor sends it when every worker
+stops, and a lone router has nobody to drain its clients to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from aiohttp import hdrs, web
+
+DRAIN_S = 20.0
+"""Longest a draining worker waits for its clients to leave their connections."""
+DRAIN_POLL_S = 0.1
+SHUTDOWN_TIMEOUT_S = 60.0
+"""Longest a request in flight may run on once the connections close (aiohttp's default)."""
+
+
+async def serve_until_signalled(
+    app: web.Application, host: str, port: int, *, reuse_port: bool, drain_s: float = 0.0
+) -> None:
+    """Serve ``app`` on ``host:port`` until SIGINT or SIGTERM; on SIGTERM, drain for up to
+    ``drain_s`` first (see the module docstring)."""
+    draining = False
+
+    async def close_when_draining(request: web.Request, response: web.StreamResponse) -> None:
+        if draining:
+            # aiohttp has written its own Connection header before this hook runs: both are needed
+            response.force_close()
+            response.headers[hdrs.CONNECTION] = "close"
+
+    app.on_response_prepare.append(close_when_draining)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
+        await site.start()
+        loop = asyncio.get_running_loop()
+        received: asyncio.Future[int] = loop.create_future()
+
+        def on_signal(signum: int) -> None:
+            if not received.done():
+                received.set_result(signum)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig)
+        if await received == signal.SIGTERM and drain_s > 0:
+            draining = True
+            await site.stop()
+            await _drain(runner, drain_s)
+    finally:
+        await runner.cleanup()
+
+
+async def _drain(runner: web.AppRunner, drain_s: float) -> None:
+    """Wait until no connection is open or ``drain_s`` passed."""
+    server = runner.server
+    if server is None:
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + drain_s
+    while server.connections and loop.time() < deadline:  # noqa: ASYNC110 (aiohttp has no event for it)
+        await asyncio.sleep(DRAIN_POLL_S)
