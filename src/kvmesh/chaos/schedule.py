@@ -32,6 +32,8 @@ class Durations:
     http_concurrency: int = 8
     overload_burst_s: float = 4.0
     """The overload scenario's burst at three times capacity."""
+    rss_growth_bound: float = 0.05
+    """Largest RSS growth any process may show after the soak's warm-up (a share)."""
 
     def __post_init__(self) -> None:
         if self.soak_warmup_s >= self.soak_s:
@@ -50,6 +52,10 @@ QUICK = Durations(
     corrupt_chunks=1_000,
     event_frames=5_000,
     http_cases=500,
+    # 20 s of samples tell a leak from nothing: one allocator step decides them (the quick runs of
+    # one day: Redis's RSS +10.3 % in one, +0.2 % and +2.0 % in two others). The full run's 9
+    # minutes hold the 5 % bound.
+    rss_growth_bound=0.15,
 )
 FULL = Durations(
     baseline_s=10.0,
