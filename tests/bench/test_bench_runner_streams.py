@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 from aiohttp import web
+from bench_helpers import serve_post
 
 from kvmesh.bench.runner import RunOptions, send_request
 from kvmesh.workload import RequestSpec
@@ -33,17 +34,8 @@ async def _stream(request: web.Request) -> web.StreamResponse:
 
 @pytest.fixture
 async def stub_url() -> AsyncIterator[str]:
-    app = web.Application()
-    app.router.add_post("/{how}/v1/completions", _stream)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serve_post("/{how}/v1/completions", _stream) as url:
+        yield url
 
 
 @pytest.mark.parametrize("how", ["whole", "cut"])

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from bench_helpers import serve_post
 
 from kvmesh.bench.runner import RunOptions, run_workload
 from kvmesh.workload import RequestSpec
@@ -32,17 +33,8 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 @pytest_asyncio.fixture
 async def stub_url() -> AsyncIterator[str]:
-    app = web.Application()
-    app.router.add_post("/v1/completions", _completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serve_post("/v1/completions", _completions) as url:
+        yield url
 
 
 def _spec(i: int, session: str, arrival: float, gap: float | None) -> RequestSpec:
