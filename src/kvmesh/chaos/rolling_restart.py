@@ -28,6 +28,7 @@ from kvmesh.bench.metrics import RequestResult
 from kvmesh.chaos.bounds import ScenarioResult
 from kvmesh.chaos.context import ChaosContext, poll_until
 from kvmesh.chaos.load import failure_kinds, hit_rate, num_failed
+from kvmesh.core.cache_usage import header_fields
 from kvmesh.errors import FleetError
 from kvmesh.router.workers import num_listening_sockets, worker_pids
 
@@ -60,11 +61,7 @@ def reasons_without_cache(results: Sequence[RequestResult]) -> str:
 
 def miss_reason(note: str | None) -> str:
     """The ``reason`` of an ``x-kvmesh-cache`` value (``unreported`` without one)."""
-    for part in (note or "").split(";"):
-        key, _, value = part.partition("=")
-        if key.strip() == "reason":
-            return value.strip()
-    return "unreported"
+    return header_fields(note or "").get("reason", "unreported")
 
 
 def _warm(results: Sequence[RequestResult]) -> list[RequestResult]:

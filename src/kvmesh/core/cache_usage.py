@@ -31,6 +31,17 @@ REQUEST_ID_HEADER = "x-request-id"
 """The client's request id, or the one the router assigned (returned on every routed answer)."""
 
 
+def header_fields(value: str) -> dict[str, str]:
+    """The ``key=value`` items of a ``;``-separated header value (:data:`CACHE_HEADER`,
+    :data:`ENGINE_CACHED_HEADER`); items without ``=`` are left out."""
+    fields: dict[str, str] = {}
+    for part in value.split(";"):
+        key, sep, val = part.partition("=")
+        if sep:
+            fields[key.strip()] = val.strip()
+    return fields
+
+
 @dataclass(slots=True)
 class CacheUsage:
     """One answer's cache figures as the engine reported them.
@@ -63,11 +74,7 @@ class CacheUsage:
         """Parse an :data:`ENGINE_CACHED_HEADER` value; ``None`` when absent or malformed."""
         if not value:
             return None
-        fields: dict[str, str] = {}
-        for part in value.split(";"):
-            key, sep, val = part.strip().partition("=")
-            if sep:
-                fields[key] = val
+        fields = header_fields(value)
         try:
             cached = int(fields["cached"])
             prompt = int(fields["prompt"]) if "prompt" in fields else None
