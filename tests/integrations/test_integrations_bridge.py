@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from slow_link import SlowLink
 
 from kvmesh.core.hashing import Namespace
 from kvmesh.core.net import free_port
 from kvmesh.integrations.store_bridge import StoreBridge
 from kvmesh.store.config import StoreConfig
+from kvmesh.store.local_server import LocalServer, find_server_binary
 
 NS = Namespace("m", kv_dtype="float16", kv_layout="L2xH2xD4")
 
@@ -147,8 +150,6 @@ def test_bad_arguments() -> None:
 
 @pytest.mark.valkey
 def test_a_pinned_save_is_pinned_and_a_refused_one_is_counted() -> None:
-    from kvmesh.store.local_server import LocalServer, find_server_binary
-
     if find_server_binary("valkey") is None:
         pytest.skip("valkey-server binary not found")
     with LocalServer(
@@ -184,3 +185,49 @@ def test_a_pinned_save_is_pinned_and_a_refused_one_is_counted() -> None:
             assert bridge.save(tokens, other, _kv(100, seed=2), pin_ttl_s=60.0)
             assert bridge.drain(10.0)
             assert (bridge.stats.num_pins, bridge.stats.num_pins_refused) == (1, 1)
+
+
+@pytest.fixture
+def slow_redis() -> Iterator[SlowLink]:
+    """A real redis-server behind a link that holds each reply 0.3 s."""
+    if find_server_binary("redis") is None:
+        pytest.skip("redis-server binary not found")
+    with LocalServer("redis") as server:
+        link = SlowLink(("127.0.0.1", server.port), delay_s=0.3)
+        try:
+            yield link
+        finally:
+            link.close()
+
+
+def test_a_slow_lookup_is_polled_until_it_answers(slow_redis: SlowLink) -> None:
+    config = StoreConfig(chunk_size=32, local_cpu=False, remote_url=slow_redis.url, remote_timeout_s=5.0)
+    tokens = list(range(1000, 1100))
+    with StoreBridge(config, lookup_timeout_s=0.05) as bridge:
+        assert bridge.save(tokens, NS, _kv(100))
+        assert bridge.drain(20.0)
+        assert bridge.lookup(tokens, NS) == 0, "a blocking lookup waits one slice: the slow store is a miss"
+        pending = bridge.begin_lookup(tokens, NS, deadline_s=10.0)
+        polls = [bridge.poll_lookup(pending, 0.05)]
+        while polls[-1] is None and len(polls) < 400:
+            polls.append(bridge.poll_lookup(pending, 0.05))
+        assert polls[0] is None and polls[-1] == 96, polls
+        assert bridge.stats.num_timeouts == 1  # the blocking lookup's, not the polled one's
+
+
+def test_a_hung_lookup_is_a_miss_at_its_deadline(black_hole: BlackHole) -> None:
+    config = StoreConfig(
+        chunk_size=32,
+        local_cpu=False,
+        remote_url=f"redis://127.0.0.1:{black_hole.port}/0",
+        remote_timeout_s=30.0,
+    )
+    with StoreBridge(config, close_timeout_s=2.0) as bridge:
+        tokens = list(range(64))
+        pending = bridge.begin_lookup(tokens, NS, deadline_s=0.3)
+        assert bridge.poll_lookup(pending, 0.05) is None
+        assert bridge.stats.num_timeouts == 0
+        started = time.monotonic()
+        while (found := bridge.poll_lookup(pending, 0.05)) is None:
+            assert time.monotonic() - started < 5.0, "the deadline never came"
+        assert found == 0 and bridge.stats.num_timeouts == 1

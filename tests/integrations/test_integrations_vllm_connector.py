@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from integrations_helpers import bits, paged_cache, read_request, request_kv, write_request
+from slow_link import SlowLink
 from vllm_standins import ConnectorRole, make_request, make_vllm_config
 
 from kvmesh.core.events import BlockStored, decode_batch, encode_batch
@@ -30,6 +31,7 @@ from kvmesh.integrations.vllm_format import ModelKVFormat, model_kv_format
 from kvmesh.router.index import InMemoryIndex
 from kvmesh.router.ingest import EventApplier
 from kvmesh.router.prefix import match_prefix
+from kvmesh.store.local_server import LocalServer, find_server_binary
 
 BS = 16
 
@@ -216,6 +218,45 @@ def test_dead_store_means_no_external_tokens() -> None:
         replica.close()
 
 
+def test_a_slow_store_delays_the_request_instead_of_missing(tmp_path: Path) -> None:
+    if find_server_binary("redis") is None:
+        pytest.skip("redis-server binary not found")
+    with LocalServer("redis") as server:
+        link = SlowLink(("127.0.0.1", server.port), delay_s=0.3)
+        fast, slow = tmp_path / "fast.yaml", tmp_path / "slow.yaml"
+        for path, url in ((fast, server.url), (slow, link.url)):
+            path.write_text(f"chunk_size: 32\nlocal_cpu: false\nremote_url: {url}\nremote_timeout_s: 5\n")
+        a = Replica({"store": str(fast)}, PagedLayout.KV_FIRST)
+        b = Replica(
+            {"store": str(slow), "lookup_timeout_s": 0.05, "lookup_deadline_s": 20}, PagedLayout.KV_FIRST
+        )
+        try:
+            prompt = list(range(500, 600))
+            req = make_request("a", prompt)
+            assert a.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+            a.scheduler.update_state_after_alloc(req, None, 0)
+            blocks = [0, 1, 2, 3, 4, 5, 6]
+            a.step(new_req_output(req, blocks, 0, 100), request_kv(100, seed=3), blocks)
+            assert a.worker.bridge.drain(10.0)
+
+            req_b = make_request("b", prompt)
+            answers = [b.scheduler.get_num_new_matched_tokens(req_b, 0)]
+            while answers[-1][0] is None and len(answers) < 400:
+                answers.append(b.scheduler.get_num_new_matched_tokens(req_b, 0))
+            # vLLM skips the request while its lookup runs (None), then gets the store's prefix
+            assert answers[0] == (None, False) and answers[-1] == (96, False), answers
+            assert b.scheduler.bridge.stats.num_timeouts == 0
+
+            gone = make_request("gone", prompt)
+            assert b.scheduler.get_num_new_matched_tokens(gone, 0) == (None, False)
+            b.scheduler.request_finished(gone, [])  # aborted while its lookup ran
+            assert "gone" not in b.scheduler._pending_lookups
+        finally:
+            a.close()
+            b.close()
+            link.close()
+
+
 def test_worker_rejects_caches_that_do_not_match_the_model(fleet_dir: str) -> None:
     config = make_vllm_config({"store": fleet_dir})
     worker = KVMeshConnector(config, ConnectorRole.WORKER)
@@ -261,6 +302,7 @@ def test_settings_parse_and_reject() -> None:
     for bad in (
         {"kvmesh.stor": "x"},
         {"lookup_timeout_s": 0},
+        {"lookup_deadline_s": -1},
         {"max_inflight": 1.5},
         {"save": "maybe"},
         {"store": 3},

@@ -72,6 +72,18 @@ async def flood(store: KVCacheEngine, first_seed: int, num_prompts: int) -> list
     return prompts
 
 
+async def flood_after_release(store: KVCacheEngine, first_seed: int, num_prompts: int) -> None:
+    """Flood once the expired pins are released and the released chunks are plainly the oldest.
+
+    The first write releases them (``PEXPIRE`` counts as a use: their LRU clock reads "now"), and
+    the server's LRU clock ticks once a second, so chunks written in the same second tie with them
+    and the approximate LRU may keep either. Two ticks later every chunk of the flood is younger.
+    """
+    await flood(store, first_seed, 1)
+    await asyncio.sleep(2.1)
+    await flood(store, first_seed + 1, num_prompts - 1)
+
+
 def volatile_server(flavor: str, maxmemory: int) -> Iterator[LocalServer]:
     if find_server_binary(flavor) is None:
         pytest.skip(f"{flavor}-server binary not found")
@@ -144,7 +156,7 @@ async def test_an_expired_pin_becomes_ordinary_data_and_is_evicted(volatile: Loc
         assert outcome is not None and outcome.accepted
         await asyncio.sleep(1.5)
         # Writers release expired pins before they write; the flood then evicts it like any chunk.
-        await flood(store, 200, 40)
+        await flood_after_release(store, 200, 40)
         assert await store.lookup(pinned, NS) == 0
     finally:
         await store.aclose()
@@ -205,7 +217,7 @@ async def test_a_tenant_cannot_pin_or_extend_another_tenants_chunks(volatile: Lo
         assert mine is not None and mine.accepted
         assert theirs is not None and (theirs.num_pinned, theirs.num_missing, theirs.used_bytes) == (0, 1, 0)
         await asyncio.sleep(1.5)
-        await flood(store, 500, 40)
+        await flood_after_release(store, 500, 40)
         assert await store.lookup(tokens, NS) == 0, "another tenant's pin extended this tenant's chunk"
     finally:
         await store.aclose()

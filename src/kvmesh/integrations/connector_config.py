@@ -10,7 +10,8 @@
 | key | default | meaning |
 |---|---|---|
 | ``store`` | ``$KVMESH_STORE_CONFIG``, else a RAM tier | URL shorthand or YAML path for the store |
-| ``lookup_timeout_s`` | 0.05 | longest scheduler wait for a lookup (then: miss) |
+| ``lookup_timeout_s`` | 0.05 | longest wait for a lookup in one scheduler step (then vLLM steps on and asks again) |
+| ``lookup_deadline_s`` | 5.0 | longest time a request waits for its lookup across steps (then: miss) |
 | ``retrieve_timeout_s`` | 2.0 | longest worker wait for a load (then: recompute) |
 | ``max_inflight`` | 64 | store calls outstanding per process (then: miss / dropped save) |
 | ``save`` | true | save computed prompt chunks (false: load only) |
@@ -34,6 +35,7 @@ _KEYS = frozenset(
     {
         "store",
         "lookup_timeout_s",
+        "lookup_deadline_s",
         "retrieve_timeout_s",
         "max_inflight",
         "save",
@@ -52,6 +54,7 @@ class ConnectorSettings:
 
     store: str | None = None
     lookup_timeout_s: float = 0.05
+    lookup_deadline_s: float = 5.0
     retrieve_timeout_s: float = 2.0
     max_inflight: int = 64
     save: bool = True
@@ -83,6 +86,7 @@ class ConnectorSettings:
         settings = cls(
             store=_opt_str("store", store),
             lookup_timeout_s=_positive_float("lookup_timeout_s", values.get("lookup_timeout_s", 0.05)),
+            lookup_deadline_s=_positive_float("lookup_deadline_s", values.get("lookup_deadline_s", 5.0)),
             retrieve_timeout_s=_positive_float("retrieve_timeout_s", values.get("retrieve_timeout_s", 2.0)),
             max_inflight=_positive_int("max_inflight", values.get("max_inflight", 64)),
             save=_bool("save", values.get("save", True)),

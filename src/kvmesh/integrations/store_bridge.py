@@ -10,6 +10,10 @@ once that many calls are outstanding, new calls are refused at no cost until som
           ▲                               │
           └─────── result | miss ◄────────┘
 
+A lookup can also be polled (:meth:`StoreBridge.begin_lookup`, :meth:`StoreBridge.poll_lookup`):
+a scheduler that may ask again next step waits a short slice per step and gives up only at a
+deadline, so a store that is merely slow still answers.
+
 Saves do not block: the caller hands over a finished numpy array and gets ``False`` back when the
 save was refused (too many in flight, bridge closed).
 """
@@ -20,6 +24,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -50,6 +55,17 @@ class BridgeStats:
     """Pins every asked tier took."""
     num_pins_refused: int = 0
     """Pins a tier refused (a tenant's budget, or a tier that cannot pin); logged with the reason."""
+
+
+@dataclass(slots=True)
+class PendingLookup:
+    """A lookup started by :meth:`StoreBridge.begin_lookup` and not yet answered."""
+
+    future: concurrent.futures.Future[int] | None
+    """``None``: the bridge refused the call (a miss)."""
+    deadline: float
+    """``time.monotonic()`` past which it counts as a miss (the call itself runs on, like any
+    timed-out call, and holds its ``max_inflight`` slot until it ends)."""
 
 
 async def _cancel_other_tasks() -> None:
@@ -144,12 +160,33 @@ class StoreBridge:
 
     def lookup(self, tokens: Sequence[int], namespace: Namespace) -> int:
         """Prefix tokens the store holds (a multiple of the chunk size); 0 when it cannot tell in time."""
+        found = self.poll_lookup(
+            self.begin_lookup(tokens, namespace, self.lookup_timeout_s), self.lookup_timeout_s
+        )
+        return 0 if found is None else found
+
+    def begin_lookup(self, tokens: Sequence[int], namespace: Namespace, deadline_s: float) -> PendingLookup:
+        """Start a lookup that :meth:`poll_lookup` answers; a miss if unanswered after ``deadline_s``."""
         self.stats.num_lookups += 1
         future = self._submit(self.engine.lookup(list(tokens), namespace))
-        if future is None:
+        return PendingLookup(future, time.monotonic() + deadline_s)
+
+    def poll_lookup(self, pending: PendingLookup, wait_s: float) -> int | None:
+        """The lookup's answer, waiting at most ``wait_s`` (never past its deadline); ``None`` while
+        it is still running before its deadline, 0 for a miss (refused, failed or past the deadline)."""
+        if pending.future is None:
             return 0
-        found = self._wait(future, self.lookup_timeout_s)
-        return 0 if found is None else found
+        try:
+            return pending.future.result(max(0.0, min(wait_s, pending.deadline - time.monotonic())))
+        except concurrent.futures.TimeoutError:
+            if time.monotonic() < pending.deadline:
+                return None
+            self.stats.num_timeouts += 1
+            return 0
+        except KVMeshError as exc:
+            self.stats.num_errors += 1
+            _log.warning("kvmesh store call failed: %s", exc)
+            return 0
 
     def retrieve(
         self,

@@ -10,7 +10,8 @@ Enable it with no change to vLLM::
 vLLM creates one connector in the scheduler and one per worker; this module is only glue
 between vLLM's objects and kvmesh's own parts::
 
-    scheduler  get_num_new_matched_tokens ─► StoreBridge.lookup ─► RequestTracker.on_lookup
+    scheduler  get_num_new_matched_tokens ─► StoreBridge.begin_lookup / poll_lookup (None while it
+                                             runs: vLLM asks again next step) ─► RequestTracker.on_lookup
                update_state_after_alloc   ─► RequestTracker.on_alloc
                build_connector_meta       ─► RequestTracker.on_scheduled / take_specs ─► metadata
     worker     register_kv_caches         ─► declared_kv_layout ─► paged_kv.detect_geometry ─► PagedKVTransfer
@@ -53,6 +54,7 @@ from kvmesh.integrations.connector_config import ConnectorSettings
 from kvmesh.integrations.paged_kv import check_layers, detect_geometry
 from kvmesh.integrations.paged_transfer import PagedKVTransfer
 from kvmesh.integrations.request_tracker import LoadSpec, RequestTracker, SaveSpec
+from kvmesh.integrations.store_bridge import PendingLookup
 from kvmesh.integrations.vllm_compat import (
     BlockStoredEvent,
     ConnectorBase,
@@ -180,6 +182,7 @@ class KVMeshConnector(ConnectorBase):
         self._announcer: SharedWriteAnnouncer | None = None
         self._shared_events: list[Any] = []
         self._saving_req_ids: set[str] = set()
+        self._pending_lookups: dict[str, PendingLookup] = {}
         self._saver: BackgroundSaver | None = None
         self._loader: BackgroundLoader | None = None
 
@@ -247,13 +250,27 @@ class KVMeshConnector(ConnectorBase):
             if len(prompt) < self.bridge.chunk_size or limit - limit % self.block_size <= num_computed_tokens:
                 num_stored = 0
             else:
-                num_stored = self.bridge.lookup(prompt, namespace)
+                num_stored = self._poll_lookup(req_id, prompt, namespace)
+                if num_stored is None:
+                    return None, False
             if self.announces_shared_writes and len(prompt) >= self.bridge.chunk_size:
                 blocks = self._prompt_blocks(request)
         num_load = self.tracker.on_lookup(
             req_id, prompt, namespace, num_computed_tokens, num_stored, blocks, _pin_ttl(request)
         )
         return num_load, self.tracker.loads_in_background(req_id)
+
+    def _poll_lookup(self, req_id: str, prompt: list[int], namespace: Namespace) -> int | None:
+        """The store's prefix for ``req_id``, or ``None`` while its lookup runs: vLLM then schedules
+        other requests and asks again next step, so a slow store delays this request instead of
+        turning its lookup into a miss (until ``lookup_deadline_s``)."""
+        pending = self._pending_lookups.pop(req_id, None)
+        if pending is None:
+            pending = self.bridge.begin_lookup(prompt, namespace, self.settings.lookup_deadline_s)
+        found = self.bridge.poll_lookup(pending, self.settings.lookup_timeout_s)
+        if found is None:
+            self._pending_lookups[req_id] = pending
+        return found
 
     def _prompt_blocks(self, request: Any) -> PromptBlocks | None:
         """vLLM's names for the blocks of the prompt's whole store chunks (what a SHARED event
@@ -326,6 +343,7 @@ class KVMeshConnector(ConnectorBase):
         """Forget the request; a request that had saves keeps its blocks until the workers report
         its saves done in ``get_finished``."""
         self.tracker.finish(request.request_id)
+        self._pending_lookups.pop(request.request_id, None)
         had_saves = request.request_id in self._saving_req_ids
         self._saving_req_ids.discard(request.request_id)
         return had_saves, None
