@@ -47,11 +47,15 @@ def test_supervisor_starts_an_exited_worker_again_after_the_backoff(monkeypatch:
         supervisor.stop()
 
 
-def test_supervisor_stop_ends_running_workers() -> None:
+def test_supervisor_stop_ends_running_workers(capfd: pytest.CaptureFixture[str]) -> None:
     supervisor = WorkerSupervisor(_sleep_forever, 2)
     supervisor.start()
+    time.sleep(0.1)  # the workers are still starting: their interpreters import and unpickle
     supervisor.stop()
     assert all(not slot.process.is_alive() for slot in supervisor._slots)
+    # stopped by SIGINT (sent again once each worker listens for it), not killed at the timeout
+    assert [slot.process.exitcode for slot in supervisor._slots] == [0, 0]
+    assert "Traceback" not in capfd.readouterr().err
     assert supervisor.check() == 0, "a stopping supervisor starts nothing"
 
 

@@ -16,7 +16,9 @@ own (not faster than once per :data:`RESPAWN_BACKOFF_S`) and stops them all on S
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -34,6 +36,7 @@ STOP_TIMEOUT_S = 10.0
 """How long stopping waits for a worker to exit before killing it."""
 
 _POLL_S = 0.2
+_RESEND_S = 1.0
 
 
 @dataclass
@@ -66,8 +69,17 @@ class WorkerSupervisor:
         self._stopping = False
 
     def _spawn(self, index: int) -> BaseProcess:
-        process = self._ctx.Process(target=self.target, args=(index,), name=f"kvmesh-router-{index}")
-        process.start()
+        process = self._ctx.Process(
+            target=_run_worker, args=(self.target, index), name=f"kvmesh-router-{index}"
+        )
+        # The child inherits an ignored SIGINT through exec, so a stop (or a Ctrl-C to the process
+        # group) that comes while it is still importing cannot print a traceback from the middle of
+        # an import; _run_worker takes SIGINT back, and stop() sends it again until the child exits.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            process.start()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         return process
 
     def start(self) -> None:
@@ -106,15 +118,26 @@ class WorkerSupervisor:
         """Ask every worker to stop (SIGINT: at once, with no drain, since none stays to take
         their clients; requests in flight finish), then wait."""
         self._stopping = True
+        now = time.monotonic()
+        deadline, next_send = now + STOP_TIMEOUT_S, now
+        while (now := time.monotonic()) < deadline:
+            alive = [slot.process for slot in self._slots if slot.process.is_alive()]
+            if not alive:
+                return
+            if now >= next_send:
+                # again each _RESEND_S: a worker still starting ignores SIGINT until _run_worker runs
+                for process in alive:
+                    if process.pid is not None:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(process.pid, signal.SIGINT)
+                next_send = now + _RESEND_S
+            multiprocessing.connection.wait(
+                [p.sentinel for p in alive], timeout=min(next_send, deadline) - now
+            )
         for slot in self._slots:
-            if slot.process.is_alive() and slot.process.pid is not None:
-                os.kill(slot.process.pid, signal.SIGINT)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for slot in self._slots:
-            slot.process.join(max(0.0, deadline - time.monotonic()))
             if slot.process.is_alive():
                 slot.process.kill()
-                slot.process.join()
+            slot.process.join()
 
     def run(self) -> int:
         """Start the workers, keep them running until SIGINT/SIGTERM, then stop them.
@@ -137,6 +160,15 @@ class WorkerSupervisor:
             for s, handler in previous.items():
                 signal.signal(s, handler)
         return 0
+
+
+def _run_worker(target: Callable[[int], None], index: int) -> None:
+    """A worker's body: SIGINT back to KeyboardInterrupt, which ends the worker quietly."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        target(index)
+    except KeyboardInterrupt:
+        sys.exit(0)
 
 
 def worker_pids(supervisor_pid: int) -> list[int]:
