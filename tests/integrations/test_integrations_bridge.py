@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from slow_link import SlowLink
+from store_hosts import BlackHole, SlowLink
 
 from kvmesh.core.hashing import Namespace
 from kvmesh.core.net import free_port
@@ -23,38 +21,6 @@ NS = Namespace("m", kv_dtype="float16", kv_layout="L2xH2xD4")
 
 def _kv(num_tokens: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((2, 2, 2, num_tokens, 4)).astype(np.float16)
-
-
-class BlackHole:
-    """A TCP server that accepts connections and never answers (a hung store host)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        self.conns: list[socket.socket] = []
-        self._stop = threading.Event()
-        self.sock.settimeout(0.05)
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.conns.append(conn)
-
-    def close(self) -> None:
-        self._stop.set()
-        self.thread.join()
-        for c in self.conns:
-            c.close()
-        self.sock.close()
 
 
 @pytest.fixture
@@ -115,7 +81,7 @@ def test_hung_store_times_out_into_misses_and_refuses_past_max_inflight(black_ho
     config = StoreConfig(
         chunk_size=32,
         local_cpu=False,
-        remote_url=f"redis://127.0.0.1:{black_hole.port}/0",
+        remote_url=black_hole.url,
         remote_timeout_s=30.0,
         breaker_failures=100,
     )
@@ -219,7 +185,7 @@ def test_a_hung_lookup_is_a_miss_at_its_deadline(black_hole: BlackHole) -> None:
     config = StoreConfig(
         chunk_size=32,
         local_cpu=False,
-        remote_url=f"redis://127.0.0.1:{black_hole.port}/0",
+        remote_url=black_hole.url,
         remote_timeout_s=30.0,
     )
     with StoreBridge(config, close_timeout_s=2.0) as bridge:

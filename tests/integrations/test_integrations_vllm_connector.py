@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from integrations_helpers import bits, paged_cache, read_request, request_kv, write_request
-from slow_link import SlowLink
+from store_hosts import SlowLink
 from vllm_standins import ConnectorRole, make_request, make_vllm_config
 
 from kvmesh.core.events import BlockStored, decode_batch, encode_batch
