@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from interop_helpers import LiveVllm, complete, http_json, kvmesh_command, metric, stop
+from interop_helpers import LiveVllm, complete, http_json, kvmesh_command, metric, stop, wait_healthy
+from store_hosts import SlowLink
 
 from kvmesh.core.hashing import Namespace
 from kvmesh.core.net import free_ports
 from kvmesh.fleet.process import ManagedProcess
+from kvmesh.fleet.vllm import VllmReplica
 from kvmesh.integrations.store_bridge import StoreBridge
 from kvmesh.store.local_server import LocalServer
 
@@ -95,6 +97,50 @@ def test_second_vllm_loads_what_the_first_computed(
     assert warm.text == cold.text  # greedy first token identical to the cold run
     # the load (over 64 MiB of float32 KV) ran off vLLM's step, reported through finished_recving
     assert "first background load" in second.proc.log_path.read_text()
+
+
+def test_a_slow_store_is_waited_for_not_recomputed(
+    vllm_pair: list[LiveVllm], valkey: LocalServer, model_dir: Path, tmp_path: Path
+) -> None:
+    """A server whose store answers each round trip 0.15 s late (three times the connector's 0.05 s
+    per-step wait) still loads the prompt: its lookup spans scheduler steps instead of missing.
+    (Not slower: the store's own 1 s tier timeout covers the new connection's handshakes too.)"""
+    first, _ = vllm_pair
+    prompt = text(seed=23, num_words=700)
+    cold = complete(first.url, prompt)
+    whole_chunks = cold.prompt_tokens // 256 * 256
+    token_ids = http_json(f"{first.url}/tokenize", {"model": "smollm2", "prompt": prompt})["tokens"]
+    bridge = StoreBridge(valkey.url, lookup_timeout_s=2.0)
+    try:
+        assert (
+            wait_for_store(bridge, token_ids, first.replica.store_namespace(), whole_chunks) >= whole_chunks
+        )
+    finally:
+        bridge.close()
+    link = SlowLink(("127.0.0.1", valkey.port), delay_s=0.15)
+    port, events_port, replay_port = free_ports(3)
+    replica = VllmReplica(
+        name="vllm-slow-store",
+        port=port,
+        events_port=events_port,
+        replay_port=replay_port,
+        model_dir=model_dir,
+        store=link.url,
+        cpu_core=0,
+        max_model_len=8192,
+    )
+    slow = LiveVllm(
+        replica, ManagedProcess(replica.name, replica.argv(), tmp_path / "vllm.log", env=replica.env())
+    )
+    slow.proc.start()
+    try:
+        wait_healthy(slow)
+        warm = complete(slow.url, prompt)
+        assert warm.cached_tokens >= 0.9 * whole_chunks, (warm, whole_chunks)
+        assert warm.text == cold.text
+    finally:
+        stop(slow.proc)
+        link.close()
 
 
 # ---------------------------------------------------------------- router in front of vLLM

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import socket
 import threading
 import time
@@ -52,10 +53,11 @@ class BlackHole(_Listener):
 
 
 class SlowLink(_Listener):
-    """Relay to ``upstream``, delaying each reply by ``delay_s``.
+    """Relay to ``upstream`` with ``delay_s`` of latency on every reply.
 
-    Requests pass at once; what the upstream sends back waits ``delay_s`` before it is relayed,
-    so every round trip through the link takes at least that long.
+    Requests pass at once; each piece of a reply is relayed ``delay_s`` after it arrived, pieces in
+    flight overlap (latency, not a bandwidth cap), so every round trip takes at least ``delay_s``
+    and a large reply about ``delay_s`` more than it would.
     """
 
     def __init__(self, upstream: tuple[str, int], delay_s: float) -> None:
@@ -66,21 +68,47 @@ class SlowLink(_Listener):
     def _accepted(self, conn: socket.socket) -> None:
         server = socket.create_connection(self.upstream)
         self.conns.append(server)
-        threading.Thread(target=self._pump, args=(conn, server, 0.0), daemon=True).start()
-        threading.Thread(target=self._pump, args=(server, conn, self.delay_s), daemon=True).start()
+        held: queue.SimpleQueue[tuple[float, bytes]] = queue.SimpleQueue()
+        threading.Thread(target=self._relay, args=(conn, server), daemon=True).start()
+        threading.Thread(target=self._hold, args=(server, held), daemon=True).start()
+        threading.Thread(target=self._release, args=(held, conn), daemon=True).start()
 
     @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket, delay_s: float) -> None:
+    def _relay(source: socket.socket, sink: socket.socket) -> None:
         try:
             while data := source.recv(1 << 20):
-                if delay_s:
-                    time.sleep(delay_s)
                 sink.sendall(data)
         except OSError:
             pass
         finally:
-            for conn in (source, sink):
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            _shut(source, sink)
+
+    def _hold(self, source: socket.socket, held: queue.SimpleQueue[tuple[float, bytes]]) -> None:
+        try:
+            while data := source.recv(1 << 20):
+                held.put((time.monotonic() + self.delay_s, data))
+        except OSError:
+            pass
+        held.put((0.0, b""))
+
+    @staticmethod
+    def _release(held: queue.SimpleQueue[tuple[float, bytes]], sink: socket.socket) -> None:
+        try:
+            while True:
+                due, data = held.get()
+                if not data:
+                    break
+                time.sleep(max(0.0, due - time.monotonic()))
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _shut(sink)
+
+
+def _shut(*conns: socket.socket) -> None:
+    for conn in conns:
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
