@@ -239,15 +239,31 @@ def test_a_slow_store_delays_the_request_instead_of_missing(tmp_path: Path) -> N
             a.step(new_req_output(req, blocks, 0, 100), request_kv(100, seed=3), blocks)
             assert a.worker.bridge.drain(10.0)
 
-            req_b = make_request("b", prompt)
-            answers = [b.scheduler.get_num_new_matched_tokens(req_b, 0)]
+            waits: list[float] = []
+            poll = b.scheduler.bridge.poll_lookup
+
+            def recorded_poll(pending: Any, wait_s: float) -> int | None:
+                waits.append(wait_s)
+                return poll(pending, wait_s)
+
+            b.scheduler.bridge.poll_lookup = recorded_poll  # type: ignore[method-assign]
+            req_b, req_c = make_request("b", prompt), make_request("c", prompt)
+            # one step: b's lookup waits the step's 0.05 s and is still running; c's does not wait
+            step = [b.scheduler.get_num_new_matched_tokens(r, 0) for r in (req_b, req_c)]
+            assert step == [(None, False), (None, False)]
+            assert waits[0] == pytest.approx(0.05) and waits[1] == 0.0
+            answers = step[:1]
             while answers[-1][0] is None and len(answers) < 400:
+                b.scheduler.build_connector_meta(empty_output())  # the next step may wait again
                 answers.append(b.scheduler.get_num_new_matched_tokens(req_b, 0))
             # vLLM skips the request while its lookup runs (None), then gets the store's prefix
-            assert answers[0] == (None, False) and answers[-1] == (96, False), answers
+            assert answers[-1] == (96, False), answers
+            assert waits[2] == pytest.approx(0.05), waits
             assert b.scheduler.bridge.stats.num_timeouts == 0
+            b.scheduler.request_finished(req_c, [])
 
             gone = make_request("gone", prompt)
+            b.scheduler.build_connector_meta(empty_output())
             assert b.scheduler.get_num_new_matched_tokens(gone, 0) == (None, False)
             b.scheduler.request_finished(gone, [])  # aborted while its lookup ran
             assert "gone" not in b.scheduler._pending_lookups

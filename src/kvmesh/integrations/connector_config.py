@@ -10,7 +10,7 @@
 | key | default | meaning |
 |---|---|---|
 | ``store`` | ``$KVMESH_STORE_CONFIG``, else a RAM tier | URL shorthand or YAML path for the store |
-| ``lookup_timeout_s`` | 0.05 | longest wait for a lookup in one scheduler step (then vLLM steps on and asks again) |
+| ``lookup_timeout_s`` | 0.05 | longest wait for lookups in one scheduler step, shared by the step's lookups (then vLLM steps on and asks again) |
 | ``lookup_deadline_s`` | 5.0 | longest time a request waits for its lookup across steps (then: miss) |
 | ``retrieve_timeout_s`` | 2.0 | longest worker wait for a load (then: recompute) |
 | ``max_inflight`` | 64 | store calls outstanding per process (then: miss / dropped save) |

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -183,6 +184,7 @@ class KVMeshConnector(ConnectorBase):
         self._shared_events: list[Any] = []
         self._saving_req_ids: set[str] = set()
         self._pending_lookups: dict[str, PendingLookup] = {}
+        self._lookup_wait_left = self.settings.lookup_timeout_s
         self._saver: BackgroundSaver | None = None
         self._loader: BackgroundLoader | None = None
 
@@ -267,7 +269,11 @@ class KVMeshConnector(ConnectorBase):
         pending = self._pending_lookups.pop(req_id, None)
         if pending is None:
             pending = self.bridge.begin_lookup(prompt, namespace, self.settings.lookup_deadline_s)
-        found = self.bridge.poll_lookup(pending, self.settings.lookup_timeout_s)
+        started = time.monotonic()
+        found = self.bridge.poll_lookup(pending, self._lookup_wait_left)
+        # One lookup_timeout_s of waiting per step, shared by the step's lookups: a burst of new
+        # requests on a slow store holds the step once, not once per request.
+        self._lookup_wait_left = max(0.0, self._lookup_wait_left - (time.monotonic() - started))
         if found is None:
             self._pending_lookups[req_id] = pending
         return found
@@ -306,6 +312,7 @@ class KVMeshConnector(ConnectorBase):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVMeshConnectorMetadata:
         """This step's loads and saves, from the requests vLLM scheduled."""
+        self._lookup_wait_left = self.settings.lookup_timeout_s  # the next step's lookups may wait again
         num_scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             self.tracker.on_scheduled(
