@@ -16,33 +16,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
+import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from router_gateway import cpu_seconds, wait_http
+
 from kvmesh.core.models import resolve_model
 from kvmesh.core.net import free_ports
 from kvmesh.fleet.process import ManagedProcess
 from kvmesh.fleet.vllm import VllmReplica, vllm_unavailable_reason
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_healthy(url: str, timeout_s: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1.0)
 
 
 def scrape_for(url: str, interval_s: float, seconds: float) -> int:
@@ -84,7 +71,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     rows: list[dict[str, float]] = []
     try:
-        wait_healthy(url)
+        wait_http(f"{url}/health", timeout=600.0)
         body = json.dumps({"model": "smollm2", "prompt": "hello there", "max_tokens": 4}).encode()
         request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=120) as resp:
@@ -94,13 +81,13 @@ def main() -> None:
         pid = proc.pid
         assert pid is not None
         for round_ in range(args.rounds):
-            before = cpu_seconds(pid)
+            before = cpu_seconds(pid, descendants=False)
             time.sleep(args.seconds)
-            idle = cpu_seconds(pid) - before
+            idle = cpu_seconds(pid, descendants=False) - before
             for interval in intervals:
-                before = cpu_seconds(pid)
+                before = cpu_seconds(pid, descendants=False)
                 num = scrape_for(url, interval, args.seconds)
-                extra = cpu_seconds(pid) - before - idle
+                extra = cpu_seconds(pid, descendants=False) - before - idle
                 rows.append(
                     {
                         "round": round_,

@@ -173,11 +173,12 @@ def ensure_sglang_router(venv: Path) -> Path:
     return python
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (all threads) and its live descendants, from /proc."""
+def cpu_seconds(pid: int, *, descendants: bool = True) -> float:
+    """User + system CPU seconds of a process (all threads) and, unless ``descendants`` is false,
+    its live descendants, from /proc."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split() if descendants else []
     except FileNotFoundError:
         return 0.0
     own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
