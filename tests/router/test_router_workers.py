@@ -76,15 +76,32 @@ async def _served_by(url: str) -> str:
             return str((await resp.json())["choices"][0]["text"])
 
 
+async def _index_reports(url: str) -> list[dict]:  # type: ignore[type-arg]
+    """``/admin/index`` of each worker (new connections until both have answered)."""
+    found: dict[int, dict] = {}  # type: ignore[type-arg]
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+        for _ in range(200):
+            async with session.get(f"{url}/admin/index", headers={"Authorization": "Bearer t"}) as resp:
+                body = await resp.json()
+            assert "ingest_split" in body, body
+            found[body["ingest_split"]["worker"]] = body
+            if len(found) == 2:
+                break
+    return list(found.values())
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="SO_REUSEPORT spreading and /proc are Linux's")
-async def test_workers_share_the_port_and_each_restarted_worker_rebuilds_the_index(engines) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("split", [[], ["--split-events"]], ids=["every-worker-ingests", "split-events"])
+async def test_workers_share_the_port_and_each_restarted_worker_rebuilds_the_index(engines, split) -> None:  # type: ignore[no-untyped-def]
+    # Split: each engine's events go to one worker, which sends its index writes to the other; a
+    # restarted worker learns its engine's blocks from the replay and the other's from a snapshot.
     fleet: list[FakeEngine] = await engines(2)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = await asyncio.create_subprocess_exec(
         *[sys.executable, "-m", "kvmesh", "router", "--endpoints", ",".join(e.url for e in fleet),
          "--policy", "precise", "--port", str(port), "--model", MODEL, "--workers", "2",
-         "--log-level", "warning"],
+         "--log-level", "warning", "--admin-token", "t", *split],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ, HF_HUB_OFFLINE="1"),
     )  # fmt: skip
     try:
@@ -112,6 +129,14 @@ async def test_workers_share_the_port_and_each_restarted_worker_rebuilds_the_ind
         # prompt's events were published.
         assert [await _served_by(url) for _ in range(8)] == [first] * 8
         assert sum(len(e.received) for e in fleet if e is not holder) == 0
+        if split:
+            reports = await _index_reports(url)
+            assert sorted(r["ingest_split"]["worker"] for r in reports) == [0, 1]
+            # each worker subscribes to one engine, and holds the blocks of both
+            assert sorted(p for r in reports for p in r["ingest_split"]["pods"]) == sorted(
+                e.url for e in fleet
+            )
+            assert {r["index"]["num_keys"] for r in reports} == {len(PROMPT) // BLOCK}
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -131,6 +156,15 @@ def test_workers_need_a_fixed_port() -> None:
     )  # fmt: skip
     assert bad.returncode == 2
     assert "--workers needs a fixed --port" in bad.stderr
+
+
+def test_split_events_needs_workers() -> None:
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvmesh", "router", "--endpoints", "http://127.0.0.1:1", "--split-events"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert "--split-events needs --workers 2 or more" in bad.stderr
 
 
 def test_workers_flag_rejects_zero() -> None:

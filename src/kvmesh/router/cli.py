@@ -20,6 +20,7 @@ from kvmesh.errors import ConfigError, KVMeshError
 
 if TYPE_CHECKING:
     from kvmesh.router.config import RouterConfig
+    from kvmesh.router.ingest_split import IngestSplit
 
 _POLICIES = ("precise", "llmd-precise", "approximate", "load", "random", "round-robin", "pd")
 """The scheduler presets (kept here so `--help` needs no scheduler import; a test checks they agree)."""
@@ -60,6 +61,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=1,
         metavar="N",
         help="gateway processes sharing the port (SO_REUSEPORT), one per core to use (default 1)",
+    )
+    p.add_argument(
+        "--split-events",
+        action="store_true",
+        help="with --workers N: each engine's KV events are ingested by one worker, which sends the "
+        "index writes to the others (N workers ingest up to N times the events; in-process index only)",
     )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--log-level", default="info")
@@ -167,6 +174,12 @@ def _cmd_router(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.split_events and (args.workers < 2 or config.index.backend != "memory"):
+        print(
+            "kvmesh router: --split-events needs --workers 2 or more and the in-process index",
+            file=sys.stderr,
+        )
+        return 2
     if args.workers > 1 and config.port == 0:
         print(
             "kvmesh router: --workers needs a fixed --port (port 0 would give each its own)", file=sys.stderr
@@ -178,22 +191,36 @@ def _cmd_router(args: argparse.Namespace) -> int:
     if args.workers == 1:
         return _serve(args, reuse_port=False, banner=f"{len(config.endpoints)} endpoints{followed}")
     import functools
+    import shutil
+    import tempfile
 
     from kvmesh.router.workers import WorkerSupervisor
 
+    split = " splitting event ingestion" if args.split_events else ""
     print(
-        f"kvmesh router on http://{config.host}:{config.port} ({args.workers} workers) → {len(config.endpoints)} endpoints{followed}",
+        f"kvmesh router on http://{config.host}:{config.port} ({args.workers} workers{split}) → {len(config.endpoints)} endpoints{followed}",
         file=sys.stderr,
     )
-    return WorkerSupervisor(functools.partial(_serve_worker, args), args.workers).run()
+    # The workers' sockets for split ingestion: a short path (ipc paths are limited to ~100 bytes).
+    sockets = tempfile.mkdtemp(prefix="kvmesh-router-") if args.split_events else None
+    try:
+        return WorkerSupervisor(functools.partial(_serve_worker, args, sockets), args.workers).run()
+    finally:
+        if sockets is not None:
+            shutil.rmtree(sockets, ignore_errors=True)
 
 
-def _serve_worker(args: argparse.Namespace, index: int) -> None:
+def _serve_worker(args: argparse.Namespace, sockets: str | None, index: int) -> None:
     """One of ``--workers N`` (in a spawned process): a whole gateway on the shared port."""
-    sys.exit(_serve(args, reuse_port=True, banner=None))
+    from kvmesh.router.ingest_split import IngestSplit
+
+    split = None if sockets is None else IngestSplit(index, args.workers, sockets)
+    sys.exit(_serve(args, reuse_port=True, banner=None, ingest_split=split))
 
 
-def _serve(args: argparse.Namespace, *, reuse_port: bool, banner: str | None) -> int:
+def _serve(
+    args: argparse.Namespace, *, reuse_port: bool, banner: str | None, ingest_split: IngestSplit | None = None
+) -> int:
     """Build the gateway from ``args`` and serve it until SIGINT/SIGTERM."""
     import yaml
     from aiohttp import web
@@ -210,14 +237,14 @@ def _serve(args: argparse.Namespace, *, reuse_port: bool, banner: str | None) ->
         if config.pools:
             from kvmesh.router.pools import PooledRouter, load_pool_tokenizers
 
-            app = PooledRouter(config, tokenizers=load_pool_tokenizers(config)).app
+            app = PooledRouter(config, tokenizers=load_pool_tokenizers(config), ingest_split=ingest_split).app
         else:
             tokenizer: PromptTokenizer | None = None
             if config.tokenizer:
                 from kvmesh.core.tokens import Tokenizer
 
                 tokenizer = Tokenizer.load(config.tokenizer)
-            app = Gateway(config, tokenizer=tokenizer).app
+            app = Gateway(config, tokenizer=tokenizer, ingest_split=ingest_split).app
         loop = new_event_loop(args.loop)
     except (KVMeshError, yaml.YAMLError) as exc:
         print(f"kvmesh router: {exc}", file=sys.stderr)

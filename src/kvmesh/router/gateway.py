@@ -41,19 +41,26 @@ from kvmesh.core.hashing import HashAlgo
 from kvmesh.core.tenancy import ENDPOINT_HEADER as ENDPOINT_HEADER
 from kvmesh.core.tenancy import SESSION_HEADER, TENANT_HEADER
 from kvmesh.core.types import PodId
-from kvmesh.errors import RequestError, TierUnavailableError
+from kvmesh.errors import ConfigError, RequestError, TierUnavailableError
 from kvmesh.router.admin import AdminApi
 from kvmesh.router.agent_routes import api_error, maybe_unserved_api
 from kvmesh.router.cache_memory import RememberingIndex, prompt_texts
 from kvmesh.router.cache_report import CacheReasonCollector, CacheReporter
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.discovery import DnsDiscovery
-from kvmesh.router.endpoints import PROBE_CONNECTIONS_PER_ENDPOINT, Endpoint, EndpointConfig, EndpointPool
+from kvmesh.router.endpoints import (
+    PROBE_CONNECTIONS_PER_ENDPOINT,
+    Endpoint,
+    EndpointConfig,
+    EndpointPool,
+    normalize_url,
+)
 from kvmesh.router.first_miss import tokenize_until_miss, whole_prompt_needed
 from kvmesh.router.flow_control import TicketState
 from kvmesh.router.flow_gate import QUEUE_WAIT_HEADER, FlowGate, parse_flow_headers, wait_ms
 from kvmesh.router.index import BlockIndex, InMemoryIndex, InstrumentedIndex
 from kvmesh.router.ingest import EventApplier
+from kvmesh.router.ingest_split import IngestSplit, SplitIngest
 from kvmesh.router.intake import EventIntake
 from kvmesh.router.keymemo import key_memo_for
 from kvmesh.router.lora_state import merged_models, requested_adapter
@@ -102,6 +109,11 @@ class Gateway:
         tokenizer: text and chat tokenizer (``None``: text prompts are routed by load only);
             wrapped in a :class:`CachedTokenizer`.
         index: the block index (default from ``config.index``).
+        ingest_split: this gateway's place among ``--workers`` that split event ingestion
+            (:mod:`~kvmesh.router.ingest_split`; ``None``: it ingests every pod's events itself).
+
+    Raises:
+        ConfigError: ``ingest_split`` with an index other than the in-process one.
     """
 
     def __init__(
@@ -110,6 +122,7 @@ class Gateway:
         *,
         tokenizer: PromptTokenizer | None = None,
         index: BlockIndex | None = None,
+        ingest_split: IngestSplit | None = None,
     ) -> None:
         self.config = config
         self.tokenizer: PromptTokenizer | None = (
@@ -134,6 +147,18 @@ class Gateway:
         )
         """Whether index calls do network I/O (then matching runs on a worker thread)."""
         self._own_index = self._make_index() if index is None else None
+        if ingest_split is not None and not isinstance(self._own_index, InMemoryIndex):
+            raise ConfigError(
+                "split event ingestion needs the in-process index (workers sharing a Redis/Valkey "
+                "index already write it once)"
+            )
+        self.ingest_split = (
+            None
+            if ingest_split is None
+            else ingest_split.placing(normalize_url(e.url) for e in config.endpoints)
+        )
+        self.split: SplitIngest | None = None
+        """Writes to and from the other workers' indexes (``None``: ingestion not split)."""
         backend = index if index is not None else self._own_index
         assert backend is not None
         self.writer = WriteBehindIndex(backend) if self.index_is_remote else None
@@ -296,6 +321,8 @@ class Gateway:
             await self.pool.aclose()
         if self.intake is not None:
             await self.intake.aclose()
+        if self.split is not None:
+            await self.split.aclose()
         if self.writer is not None:
             await asyncio.to_thread(self.writer.close)
         if isinstance(self._own_index, RedisIndex):
@@ -315,7 +342,17 @@ class Gateway:
             self._pending_events[pod] = (endpoint, replay)
             self.maybe_start_intake()
         else:
-            self.intake.add_pod(pod, endpoint, replay)
+            self._subscribe(pod, endpoint, replay)
+
+    def _subscribe(self, pod: PodId, endpoint: str, replay: str | None) -> None:
+        """Take ``pod``'s events, unless another worker of a split ingests them."""
+        assert self.intake is not None
+        if self.split is not None:
+            if not self.split.split.owns(pod):
+                return
+            if self.intake.sources.get(pod) != (endpoint, replay):
+                self.split.pod_added(pod)
+        self.intake.add_pod(pod, endpoint, replay)
 
     def maybe_start_intake(self) -> None:
         """Create the applier once the namespace model is known (from config or the first engine)."""
@@ -331,8 +368,22 @@ class Gateway:
         if self.model is None:
             return
         seen = self.cache_report.seen
+        local: BlockIndex = RememberingIndex(self.index, seen) if seen.capacity else self.index
+        if self.ingest_split is not None:
+            assert isinstance(self._own_index, InMemoryIndex)
+            self.split = SplitIngest(
+                self.ingest_split,
+                local,
+                held=self._own_index.held_by,
+                owned_pods=lambda: self.intake.sources if self.intake is not None else (),
+                block_sizes=lambda: self.applier.pod_block_sizes() if self.applier is not None else {},
+                on_block_size=lambda pod, size: (
+                    self.applier.note_peer_block_size(pod, size) if self.applier is not None else None
+                ),
+            )
+            local = self.split
         self.applier = EventApplier(
-            RememberingIndex(self.index, seen) if seen.capacity else self.index,
+            local,
             model=self.model,
             revision=self.revision or "",
             block_size=self.config.block_size,
@@ -345,9 +396,11 @@ class Gateway:
             self.applier, topic=self.config.events_topic, on_lag=self.metrics.event_lag_seconds.observe
         )
         for pod, (endpoint, replay) in self._pending_events.items():
-            self.intake.add_pod(pod, endpoint, replay)
+            self._subscribe(pod, endpoint, replay)
         self._pending_events.clear()
         self.intake.start()
+        if self.split is not None:
+            self.split.start()
 
     # ------------------------------------------------------------------ what the admin API sees
 
@@ -385,6 +438,13 @@ class Gateway:
             )
         if self.intake is not None:
             body["subscriber"] = asdict(self.intake.subscriber.stats)
+        if self.split is not None:
+            body["ingest_split"] = {
+                "worker": self.split.split.worker,
+                "workers": self.split.split.num_workers,
+                "pods": sorted(self.intake.sources) if self.intake is not None else [],
+                **asdict(self.split.link_stats),
+            }
         if isinstance(self.tokenizer, CachedTokenizer):
             body["tokenizer"] = self.tokenizer.stats()
         return body

@@ -331,6 +331,21 @@ class InMemoryIndex:
         self._num_entries -= dropped
         return dropped
 
+    def held_by(self, pods: set[PodId]) -> dict[tuple[PodId, MediumSet], list[BlockKey]]:
+        """The keys each of ``pods`` holds, by pod and tiers, oldest first (one pass over the index)."""
+        out: dict[tuple[PodId, MediumSet], list[BlockKey]] = {}
+        if not pods:
+            return out
+        wanted: dict[int, list[tuple[PodId, MediumSet]]] = {}
+        for key, holders in self._blocks.items():
+            # Holder maps are shared by many keys: which of them concern ``pods`` is worked out once.
+            found = wanted.get(id(holders))
+            if found is None:
+                found = wanted[id(holders)] = [(p, m) for p, m in holders.items() if p in pods]
+            for pod_media in found:
+                out.setdefault(pod_media, []).append(key)
+        return out
+
     def stats(self) -> IndexStats:
         return IndexStats(len(self._blocks), self._num_entries, self.num_evicted, self.capacity, "memory")
 

@@ -100,6 +100,8 @@ class EventApplier:
         self._shared_refs = SharedKeyRefs()
         self._vouchers = SharedVouchers()
         self._plain = PlainStores(self._namespaces, block_size, max_blocks_per_pod, memo)
+        self._peer_sizes: dict[PodId, int] = {}
+        """Engine block sizes of pods another router worker ingests (:mod:`~kvmesh.router.ingest_split`)."""
 
     def namespace(self, lora: str = "", tenant: str = "") -> Namespace:
         """The namespace requests with this LoRA and tenant hash into."""
@@ -116,10 +118,16 @@ class EventApplier:
     def pod_block_size(self, pod: PodId) -> int | None:
         """Tokens per block of ``pod``'s engine, from its latest BlockStored with tokens."""
         blocks = self._pods.get(pod)
-        return None if blocks is None else blocks.block_size
+        if blocks is None or blocks.block_size is None:
+            return self._peer_sizes.get(pod)
+        return blocks.block_size
+
+    def note_peer_block_size(self, pod: PodId, block_size: int) -> None:
+        """``pod``'s engine block size as the router worker that ingests its events learnt it."""
+        self._peer_sizes[pod] = block_size
 
     def pod_block_sizes(self) -> dict[PodId, int]:
-        """Every pod's learned engine block size (a copy)."""
+        """Every pod's engine block size learnt from its events here (a copy)."""
         return {pod: blocks.block_size for pod, blocks in self._pods.items() if blocks.block_size is not None}
 
     def pod_kv_group(self, pod: PodId) -> int | None:
@@ -152,8 +160,9 @@ class EventApplier:
         larger = {}
         for pod in match.pods:
             blocks = self._pods.get(pod)
-            if blocks is not None and blocks.block_size is not None and blocks.block_size > bs:
-                larger[pod] = blocks.block_size
+            size = blocks.block_size if blocks is not None else self._peer_sizes.get(pod)
+            if size is not None and size > bs:
+                larger[pod] = size
         return align_match(match, bs, larger) if larger else match
 
     def apply_batch(self, pod: PodId, batch: KVEventBatch) -> None:
@@ -272,6 +281,7 @@ class EventApplier:
         """
         dropped = self.drop_pod(pod) + self._withdraw_shared(pod, orphan=False)
         self._pods.pop(pod, None)
+        self._peer_sizes.pop(pod, None)
         self._sizes.forget(pod)
         self._groups.forget(pod, notes=True)
         return dropped

@@ -29,6 +29,7 @@ from kvmesh.core.agent_apis import PromptApi
 from kvmesh.router.agent_routes import api_error
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.gateway import Gateway
+from kvmesh.router.ingest_split import IngestSplit
 from kvmesh.router.lora_state import adapters_of_models, merged_models, requested_adapter
 from kvmesh.router.pool_config import PoolConfig
 from kvmesh.router.replies import json_response
@@ -134,14 +135,29 @@ class PooledRouter:
     Args:
         config: the router configuration (``config.pools`` non-empty).
         tokenizers: each pool's tokenizer by pool name (missing or ``None``: routed by load only).
+        ingest_split: this worker's place among workers that split event ingestion (each pool
+            splits its own pods).
     """
 
-    def __init__(self, config: RouterConfig, *, tokenizers: Mapping[str, PromptTokenizer | None]) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        tokenizers: Mapping[str, PromptTokenizer | None],
+        ingest_split: IngestSplit | None = None,
+    ) -> None:
         if not config.pools:
             raise ValueError("PooledRouter needs a config with pools; use Gateway for a single model")
         self.config = config
         self.pools = [
-            Pool(p, Gateway(pool_router_config(config, p), tokenizer=tokenizers.get(p.name)))
+            Pool(
+                p,
+                Gateway(
+                    pool_router_config(config, p),
+                    tokenizer=tokenizers.get(p.name),
+                    ingest_split=None if ingest_split is None else ingest_split.for_scope(p.name),
+                ),
+            )
             for p in config.pools
         ]
         self.registry = CollectorRegistry()
