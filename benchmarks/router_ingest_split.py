@@ -13,7 +13,9 @@ memory, the router's default), and with ``--split-events`` each takes only its p
 index writes to the others (``SplitIngest``, ZMQ over ipc). A worker is done when its index equals
 the index one applier of every event builds (checked key by key at the end).
 
-Reported: block events per second of the fleet, the stream's block events over the busiest
+Reported: block events per second of one process applying the same payloads with no sockets
+(``router_index.py``'s figure, for scale: this machine's speed moves from run to run) and, in the
+same process, what applying the stream's index writes as a peer costs against ingesting it; then of the fleet, the stream's block events over the busiest
 worker's CPU time (workers run on their own cores; their CPU time is what ingestion costs them,
 whatever else the machine runs), each worker's CPU seconds, and the wall time from the first
 publication until every worker was done. Each mode runs ``--rounds`` times; the best is reported.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -36,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import xxhash
 import zmq
-from router_index import PODS, make_batches, make_decode_batches
+from router_index import PODS, _ingest_rate, make_batches, make_decode_batches
 
-from kvmesh.core.events import KVEventBatch, encode_batch
+from kvmesh.core.events import KVEventBatch, decode_batch, encode_batch
 from kvmesh.core.hashing import HashAlgo
 from kvmesh.core.types import PodId
 from kvmesh.router.cache_explain import CacheReportConfig
@@ -48,6 +51,7 @@ from kvmesh.router.index import SHARED_TIER_HOLDER, InMemoryIndex
 from kvmesh.router.ingest import EventApplier
 from kvmesh.router.ingest_split import IngestSplit, SplitIngest
 from kvmesh.router.intake import EventIntake
+from kvmesh.router.split_wire import IndexOps, decode_ops, encode_ops
 
 MODEL = "bench-model"
 ALGO = HashAlgo.XXH3
@@ -150,6 +154,43 @@ def _worker(
     asyncio.run(body())
 
 
+def peer_apply_share(batches: list[tuple[PodId, KVEventBatch]]) -> float:
+    """In one process, no sockets: the CPU time a peer takes to apply the index writes of the whole
+    stream, over the time their owner took to ingest it and write them (both with the seen-block
+    memory, as the router runs)."""
+    payloads = [(pod, encode_batch(b.events, ts=0.0)) for pod, b in batches]
+    sent: list[bytes] = []
+
+    def worker(index: InMemoryIndex, num_workers: int, me: int) -> SplitIngest:
+        split = SplitIngest(
+            IngestSplit(me, num_workers, "/nonexistent"),  # never started: no sockets
+            RememberingIndex(index, SeenBlocks(CacheReportConfig().seen_blocks)),
+            held=index.held_by,
+            owned_pods=lambda: PODS,
+            block_sizes=dict,
+            on_block_size=lambda pod, size: None,
+        )
+        return split
+
+    owner = worker(InMemoryIndex(), 1, 0)  # one worker owns every pod
+    owner._send = lambda ops: sent.append(encode_ops(IndexOps(0, 1, len(sent) + 1, ops)))  # type: ignore[method-assign]
+    applier = EventApplier(owner, model=MODEL, algo=ALGO)
+    gc.collect()
+    start = time.process_time()
+    for pod, payload in payloads:
+        applier.apply_batch(pod, decode_batch(payload))
+        owner.flush()
+    ingest = time.process_time() - start
+    peer = worker(InMemoryIndex(), 2, 1)
+    # worker 1 of 2 owning none of the pods (the split's cache of owners, set before any lookup)
+    object.__setattr__(peer.split, "_owners", dict.fromkeys(PODS, 0))
+    gc.collect()
+    start = time.process_time()
+    for message in sent:
+        peer.apply(decode_ops(message))
+    return (time.process_time() - start) / ingest
+
+
 def _reference(batches: list[tuple[PodId, KVEventBatch]]) -> int:
     index = InMemoryIndex()
     applier = EventApplier(index, model=MODEL, algo=ALGO)
@@ -224,6 +265,7 @@ def run_mode(
         "wall_s": wall,
         "gaps": sum(r["gaps"] for r in results),
         "events_applied": [r["events_applied"] for r in results],
+        "split_stats": [r["split"] for r in results],
     }
 
 
@@ -247,6 +289,18 @@ def main(argv: list[str] | None = None) -> int:
         (n, split) for n in map(int, args.workers.split(",")) for split in (False, True) if n > 1 or not split
     ]
     for name, (batches, n_events) in streams.items():
+        # The same stream applied in this process from its payloads, no sockets: router_index.py's figure.
+        in_process = _ingest_rate(ALGO, batches, n_events, args.rounds, payloads=True, seen_blocks=True)
+        rows.append(
+            {
+                "stream": name,
+                "block_events": n_events,
+                "workers": 0,
+                "split": False,
+                "events_per_s": in_process,
+                "peer_apply_share": min(peer_apply_share(batches) for _ in range(args.rounds)),
+            }
+        )
         for num_workers, split in modes:
             best: dict[str, Any] | None = None
             for r in range(args.rounds):
@@ -264,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---|---|---|---|---|")
     for row in rows:
+        if row["workers"] == 0:
+            print(
+                f"| {row['stream']} | in process, no sockets (a peer's writes cost "
+                f"{row['peer_apply_share']:.2f} of ingesting) | – | {row['events_per_s']:,.0f} | – | – |"
+            )
+            continue
         print(
             f"| {row['stream']} | {row['workers']} | {'yes' if row['split'] else 'no'} | "
             f"{row['events_per_s']:,.0f} | {' / '.join(f'{c:.3f}' for c in row['worker_cpu_s'])} | "

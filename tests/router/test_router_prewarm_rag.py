@@ -2,13 +2,16 @@
 router on a two-engine fleet sharing a store directory; then one question per engine, each served
 from cache, with the first token of a cold run.
 
-SmolLM2-135M has 8192 positions, so the document is about 7.9k tokens (not 20k): the longest that
-leaves room for a question and its answer.
+SmolLM2-135M has 8192 positions, so the document can be up to about 7.9k tokens (not 20k): the
+longest that leaves room for a question and its answer. ``make test`` runs it with 3,000 tokens (the
+same path at a third of the CPU: the two cold 7.9k-token prefills take three minutes of this
+machine); ``KVMESH_RAG_DOCUMENT_TOKENS=7900`` runs the longest, as the documented figures do.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from pathlib import Path
@@ -28,8 +31,8 @@ from kvmesh.router.prewarm import PREWARM_PATH
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-DOCUMENT_TOKENS = 7900
-"""The document's length: SmolLM2's 8192 positions less room for the question and one token."""
+DOCUMENT_TOKENS = min(7900, int(os.environ.get("KVMESH_RAG_DOCUMENT_TOKENS", "3000")))
+"""The document's length: at most SmolLM2's 8192 positions less room for the question and one token."""
 QUESTION = "\n\nQuestion: Which valve connects to the harbor pump?\nAnswer:"
 WORDS = ["river", "stone", "valve", "garden", "lantern", "harbor", "meadow", "pump", "orbit", "canyon",
          "violet", "marble", "thunder", "saddle", "copper", "anchor", "willow", "falcon", "ember", "glacier"]  # fmt: skip

@@ -54,8 +54,13 @@ async def test_mappings_hold_no_descriptor_and_go_with_their_last_view(tmp_path:
     assert len(files._MAPPINGS) == live_before + 40
     assert [v[0] if v is not None else None for v in views] == list(range(40))
     del views
-    await asyncio.sleep(0)  # the executor future holding the batch lets go on the next loop turn
-    gc.collect()
+    # The executor future holding the batch lets go once the loop has run its callbacks (one turn
+    # on a quiet machine, a few on a busy one).
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        gc.collect()
+        if len(files._MAPPINGS) == live_before:
+            break
     assert len(files._MAPPINGS) == live_before  # unmapped
 
 
