@@ -66,7 +66,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--split-events",
         action="store_true",
         help="with --workers N: each engine's KV events are ingested by one worker, which sends the "
-        "index writes to the others (N workers ingest up to N times the events; in-process index only)",
+        "index writes to the others (cheaper to apply than the events; in-process index only)",
     )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--log-level", default="info")
