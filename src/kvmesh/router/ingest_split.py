@@ -68,19 +68,10 @@ _MEDIA_SETS = {bits: MediumSet(bits) for bits in range(int(ALL_MEDIA) + 1)}
 """Every tier set by its bits (an enum call per write costs more than the write's dict update)."""
 
 
-def ingest_owner(pod: PodId, num_workers: int, placed: Sequence[PodId] = ()) -> int:
-    """The worker that ingests ``pod``'s events: the same answer in every worker and every run.
-
-    Args:
-        pod: the pod.
-        num_workers: how many workers split ingestion.
-        placed: the configured endpoints' pods, which every worker reads from the same config:
-            they are dealt out in sorted order, so a static fleet spreads evenly. Any other pod
-            (discovered or added at run time) goes by a hash of its id.
-    """
-    ordered = sorted(placed)
-    if pod in ordered:
-        return ordered.index(pod) % num_workers
+def ingest_owner(pod: PodId, num_workers: int) -> int:
+    """The worker that ingests the events of a pod that is not a configured endpoint (one found by
+    DNS or added at run time): a hash of its id, the same in every worker and every run.
+    Configured endpoints are dealt out in order instead (:class:`IngestSplit`)."""
     return xxhash.xxh3_64_intdigest(pod.encode()) % num_workers
 
 
@@ -93,7 +84,9 @@ class IngestSplit:
         num_workers: how many split ingestion.
         directory: where the workers' sockets live (one per worker and scope).
         scope: which router's split this is (a pool's name under ``pools:``).
-        placed: the configured endpoints' pods (see :func:`ingest_owner`).
+        placed: the configured endpoints' pods, which every worker reads from the same config:
+            they are dealt out in sorted order, so a static fleet spreads evenly; any other pod
+            goes by :func:`ingest_owner`.
     """
 
     worker: int
