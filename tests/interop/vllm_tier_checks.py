@@ -1,7 +1,10 @@
 """Checks of kvmesh as a vLLM secondary tier, run with vLLM's interpreter (``.venv-vllm``).
 
-``test_interop_vllm_tier.py`` runs each check in a subprocess: ``python vllm_tier_checks.py NAME
-WORKDIR [VALKEY_URL]``. The tier is built by vLLM's own factory from the config a user writes.
+``test_interop_vllm_tier.py`` runs every check in one subprocess (vLLM's import is most of a
+check's time): ``python vllm_tier_checks.py SPEC.json RESULTS.json``, where the spec lists each
+check's name, work directory, Valkey URL and Valkey pid, and the results say per check whether it
+passed, what it printed and its traceback. The tier is built by vLLM's own factory from the config
+a user writes.
 
 Two tiers on two CPU-tier regions (two vLLM servers) share chunks through a real Valkey and
 through a shared directory; faults fail only the affected keys; the router indexes the events.
@@ -10,10 +13,14 @@ through a shared directory; faults fail only the affected keys; the router index
 from __future__ import annotations
 
 import base64
+import contextlib
+import io
+import json
 import os
 import signal
 import sys
 import time
+import traceback
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -277,8 +284,9 @@ def check_events_wire(tmp_path: Path) -> None:
         tier.shutdown()
 
 
-def main(name: str, workdir: str, valkey_url: str = "", pid: str = "0") -> None:
+def run_check(name: str, workdir: str, valkey_url: str = "", pid: int = 0) -> None:
     tmp = Path(workdir)
+    tmp.mkdir(parents=True, exist_ok=True)
     checks = {
         "share_valkey": lambda: check_share({"remote_url": valkey_url}),
         "share_shared_dir": lambda: check_share({"shared_dir": str(tmp / "shared")}),
@@ -288,11 +296,25 @@ def main(name: str, workdir: str, valkey_url: str = "", pid: str = "0") -> None:
         "events_wire": lambda: check_events_wire(tmp),
         "corrupt_and_missing": lambda: check_corrupt_and_missing(tmp),
         "dead_server": lambda: check_dead_server(valkey_url),
-        "slow_server": lambda: check_slow_server(valkey_url, int(pid)),
+        "slow_server": lambda: check_slow_server(valkey_url, pid),
         "backpressure": lambda: check_backpressure(tmp),
     }
     checks[name]()
-    print(f"ok {name}")
+
+
+def main(spec_path: str, results_path: str) -> None:
+    """Runs each check of the spec in turn; one failing check does not stop the others."""
+    results: dict[str, dict[str, Any]] = {}
+    for spec in json.loads(Path(spec_path).read_text()):
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out):
+                run_check(spec["check"], spec["workdir"], spec.get("url", ""), int(spec.get("pid", 0)))
+        except BaseException:
+            results[spec["check"]] = {"ok": False, "output": out.getvalue(), "error": traceback.format_exc()}
+        else:
+            results[spec["check"]] = {"ok": True, "output": out.getvalue(), "error": ""}
+        Path(results_path).write_text(json.dumps(results))
 
 
 if __name__ == "__main__":
