@@ -159,8 +159,8 @@ def build() -> dashboard.Dashboard:
         series(
             "Outstanding prefill tokens",
             "short",
-            [query("max by (endpoint) (kvmesh_router_pending_prefill_tokens)", "{{endpoint}}")],
-            "Prompt tokens sent to each endpoint and not yet past their first token (the TTFT scorer's input).",
+            [query("sum by (endpoint) (kvmesh_router_pending_prefill_tokens)", "{{endpoint}}")],
+            "Prompt tokens sent to each endpoint and not yet past their first token (the TTFT scorer's input), summed over every router and router worker (each counts its own requests).",
         )
     )
     board = board.with_panel(

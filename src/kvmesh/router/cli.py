@@ -201,25 +201,30 @@ def _cmd_router(args: argparse.Namespace) -> int:
         f"kvmesh router on http://{config.host}:{config.port} ({args.workers} workers{split}) → {len(config.endpoints)} endpoints{followed}",
         file=sys.stderr,
     )
-    # The workers' sockets for split ingestion: a short path (ipc paths are limited to ~100 bytes).
-    sockets = tempfile.mkdtemp(prefix="kvmesh-router-") if args.split_events else None
+    # The workers' own sockets (their peers reach each by one) and those of split ingestion, in a
+    # private directory with a short path (unix socket paths are limited to ~100 bytes).
+    sockets = tempfile.mkdtemp(prefix="kvmesh-router-")
     try:
         return WorkerSupervisor(functools.partial(_serve_worker, args, sockets), args.workers).run()
     finally:
-        if sockets is not None:
-            shutil.rmtree(sockets, ignore_errors=True)
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
-def _serve_worker(args: argparse.Namespace, sockets: str | None, index: int) -> None:
+def _serve_worker(args: argparse.Namespace, sockets: str, index: int) -> None:
     """One of ``--workers N`` (in a spawned process): a whole gateway on the shared port."""
     from kvmesh.router.ingest_split import IngestSplit
 
-    split = None if sockets is None else IngestSplit(index, args.workers, sockets)
-    sys.exit(_serve(args, reuse_port=True, banner=None, ingest_split=split))
+    split = IngestSplit(index, args.workers, sockets) if args.split_events else None
+    sys.exit(_serve(args, reuse_port=True, banner=None, ingest_split=split, worker=(index, sockets)))
 
 
 def _serve(
-    args: argparse.Namespace, *, reuse_port: bool, banner: str | None, ingest_split: IngestSplit | None = None
+    args: argparse.Namespace,
+    *,
+    reuse_port: bool,
+    banner: str | None,
+    ingest_split: IngestSplit | None = None,
+    worker: tuple[int, str] | None = None,
 ) -> int:
     """Build the gateway from ``args`` and serve it until SIGINT/SIGTERM."""
     import yaml
@@ -245,6 +250,19 @@ def _serve(
 
                 tokenizer = Tokenizer.load(config.tokenizer)
             app = Gateway(config, tokenizer=tokenizer, ingest_split=ingest_split).app
+        mesh = None
+        if worker is not None:
+            from kvmesh.router.worker_mesh import WorkerMesh
+
+            configured = (
+                {f"/pools/{p.name}": [e.url for e in p.endpoints] for p in config.pools}
+                if config.pools
+                else {"": [e.url for e in config.endpoints]}
+            )
+            mesh = WorkerMesh(
+                worker[0], args.workers, worker[1], admin_token=config.admin_token, configured=configured
+            )
+            mesh.install(app)
         loop = new_event_loop(args.loop)
     except (KVMeshError, yaml.YAMLError) as exc:
         print(f"kvmesh router: {exc}", file=sys.stderr)
@@ -260,7 +278,12 @@ def _serve(
     try:
         loop.run_until_complete(
             serve_until_signalled(
-                app, config.host, config.port, reuse_port=reuse_port, drain_s=DRAIN_S if reuse_port else 0.0
+                app,
+                config.host,
+                config.port,
+                reuse_port=reuse_port,
+                drain_s=DRAIN_S if reuse_port else 0.0,
+                unix_path=None if mesh is None else mesh.socket_path,
             )
         )
     finally:

@@ -29,10 +29,18 @@ SHUTDOWN_TIMEOUT_S = 60.0
 
 
 async def serve_until_signalled(
-    app: web.Application, host: str, port: int, *, reuse_port: bool, drain_s: float = 0.0
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    reuse_port: bool,
+    drain_s: float = 0.0,
+    unix_path: str | None = None,
 ) -> None:
     """Serve ``app`` on ``host:port`` until SIGINT or SIGTERM; on SIGTERM, drain for up to
-    ``drain_s`` first (see the module docstring)."""
+    ``drain_s`` first (see the module docstring). With ``unix_path``, also on that unix socket
+    (a worker's own address for its peers, :mod:`kvmesh.router.worker_mesh`), which stays open
+    while the shared port drains."""
     draining = False
 
     async def close_when_draining(request: web.Request, response: web.StreamResponse) -> None:
@@ -47,6 +55,8 @@ async def serve_until_signalled(
     try:
         site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
         await site.start()
+        if unix_path is not None:
+            await web.UnixSite(runner, unix_path).start()
         loop = asyncio.get_running_loop()
         received: asyncio.Future[int] = loop.create_future()
 

@@ -10,7 +10,8 @@ serve N cores with no proxy in front::
 
 Each worker subscribes to every engine's event stream itself (ZMQ PUB fans out), so each holds the
 whole index with its replay on reconnect and its seq-reset fencing; with ``--redis-index`` they
-share one Redis/Valkey index instead. The supervisor starts a worker again when it exits on its
+share one Redis/Valkey index instead. Metrics, admin changes and explanations are the whole
+router's (:mod:`kvmesh.router.worker_mesh`). The supervisor starts a worker again when it exits on its
 own (not faster than once per :data:`RESPAWN_BACKOFF_S`) and stops them all on SIGINT/SIGTERM.
 """
 
