@@ -16,11 +16,14 @@ from typing import Any
 
 import aiohttp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from router_fakes import BLOCK, MODEL, FakeEngine, free_port
 
-from kvmesh.router.worker_mesh import merge_expositions
+from kvmesh.router.usage import UsageLedger
+from kvmesh.router.worker_mesh import add_counts, merge_expositions
 from kvmesh.router.workers import num_listening_sockets, worker_pids
 
 AUTH = {"Authorization": "Bearer t"}
@@ -60,6 +63,27 @@ def test_merged_exposition_labels_every_sample_with_its_worker() -> None:
 
 def _log_tail(log: Path | None) -> str:
     return "" if log is None else f"; the router's log:\n{log.read_text()[-3000:]}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["", "a", "b"]),
+            st.integers(0, 5000),
+            st.none() | st.integers(0, 5000),
+            st.dictionaries(st.sampled_from(["device", "cpu", "shared"]), st.integers(0, 500), max_size=2),
+            st.integers(0, 1),
+        ),
+        max_size=30,
+    )
+)
+def test_usage_added_over_workers_equals_one_ledger_of_every_request(requests) -> None:  # type: ignore[no-untyped-def]
+    whole, workers = UsageLedger(), [UsageLedger(), UsageLedger()]
+    for tenant, prompt, cached, tiers, worker in requests:
+        for ledger in (whole, workers[worker]):
+            ledger.add_request(tenant, prompt_tokens=prompt, cached_tokens=cached, cached_by_tier=tiers)
+    assert add_counts(workers[0].snapshot(), workers[1].snapshot()) == whole.snapshot()
 
 
 async def _wait_for(predicate: Any, timeout: float, what: str, log: Path | None = None) -> None:
@@ -154,6 +178,11 @@ async def test_workers_answer_as_one_router(engines, fresh: aiohttp.ClientSessio
         for _, request_id in served:
             async with fresh.get(f"{admin}/explain/{request_id}", headers=AUTH) as resp:
                 assert resp.status == 200, (request_id, await resp.text())
+        for _ in range(4):  # and counted once, whichever worker is asked
+            async with fresh.get(f"{admin}/usage", headers=AUTH) as resp:
+                usage = await resp.json()
+            assert sum(row["requests"] for row in usage["tenants"].values()) == len(served), usage
+            assert set(usage["workers"].values()) == {200}
 
         # A worker that starts again copies its peer's endpoints: the one added and not the one
         # removed at run time.

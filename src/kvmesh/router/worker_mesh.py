@@ -14,6 +14,7 @@ supervisor's private temporary directory), and a middleware on the shared port:
 - ``POST``/``DELETE …/admin/endpoints`` and ``POST …/admin/flush`` (also under ``/pools/<name>``):
   applied here, then sent to every peer; the answer says per worker how it went (``workers``).
 - ``GET …/admin/explain/{id}``: a request this worker did not answer is looked up on the peers.
+- ``GET …/admin/usage``: every worker's per-tenant counts, added up.
 
 A worker that starts again (after a crash, or one at a time in a rolling restart) copies the
 endpoint list from the first peer that answers: endpoints added at run time are added, configured
@@ -83,6 +84,20 @@ def merge_expositions(pages: Mapping[int, str], num_workers: int) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families([*families.values(), total, scraped]))
     return generate_latest(registry)
+
+
+def add_counts(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    """``a`` and ``b`` with the numbers under the same keys added, at any depth (usage rows)."""
+    out = dict(a)
+    for key, value in b.items():
+        mine = out.get(key)
+        if isinstance(value, Mapping) and isinstance(mine, Mapping):
+            out[key] = add_counts(mine, value)
+        elif isinstance(value, int | float) and isinstance(mine, int | float):
+            out[key] = mine + value
+        elif key not in out:
+            out[key] = value
+    return out
 
 
 class PeerAnswer(NamedTuple):
@@ -168,6 +183,8 @@ class WorkerMesh:
             return await self._everywhere(request, handler)
         if method == "GET" and "/admin/explain/" in path:
             return await self._wherever_found(request, handler)
+        if method == "GET" and path.endswith("/admin/usage"):
+            return await self._summed_usage(request, handler)
         return await handler(request)
 
     async def _metrics(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -202,6 +219,23 @@ class WorkerMesh:
         if isinstance(content, dict):
             content["workers"] = workers
         return web.json_response(content, status=own.status)
+
+    async def _summed_usage(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        own = await handler(request)
+        if own.status != 200 or not isinstance(own, web.Response) or not isinstance(own.body, bytes):
+            return own
+        content = json.loads(own.body)
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        answers = await asyncio.gather(
+            *(self._ask(i, "GET", request.path_qs, headers=headers) for i in self.peers)
+        )
+        workers: dict[str, int | str] = {str(self.index): own.status}
+        for i, answer in zip(self.peers, answers, strict=True):
+            workers[str(i)] = "unreachable" if answer is None else answer.status
+            if answer is not None and answer.status == 200:
+                content["tenants"] = add_counts(content["tenants"], json.loads(answer.body)["tenants"])
+        content["workers"] = workers
+        return web.json_response(content)
 
     async def _wherever_found(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         own = await handler(request)
