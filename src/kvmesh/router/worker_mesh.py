@@ -100,6 +100,14 @@ def add_counts(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _plain_body(answer: web.StreamResponse, max_status: int) -> bytes | None:
+    """The body of a local answer to merge with the peers' (``None``: a streamed answer, or one
+    whose status is above ``max_status``, which is passed on untouched)."""
+    if answer.status > max_status or not isinstance(answer, web.Response):
+        return None
+    return answer.body if isinstance(answer.body, bytes) else None
+
+
 class PeerAnswer(NamedTuple):
     status: int
     body: bytes
@@ -189,9 +197,10 @@ class WorkerMesh:
 
     async def _metrics(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         own = await handler(request)
-        if not isinstance(own, web.Response) or own.status != 200 or not isinstance(own.body, bytes):
+        body = _plain_body(own, 200)
+        if body is None:
             return own
-        pages = {self.index: own.body.decode()}
+        pages = {self.index: body.decode()}
         answers = await asyncio.gather(*(self._ask(i, "GET", "/metrics") for i in self.peers))
         for i, answer in zip(self.peers, answers, strict=True):
             if answer is not None and answer.status == 200:
@@ -203,17 +212,12 @@ class WorkerMesh:
     async def _everywhere(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         body = await request.read()  # kept by the request: the handler reads it again
         own = await handler(request)
-        if own.status >= 300 or not isinstance(own, web.Response) or not isinstance(own.body, bytes):
+        own_body = _plain_body(own, 299)
+        if own_body is None:
             return own
-        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
-        answers = await asyncio.gather(
-            *(self._ask(i, request.method, request.path_qs, body, headers) for i in self.peers)
-        )
-        workers: dict[str, int | str] = {str(self.index): own.status}
-        for i, answer in zip(self.peers, answers, strict=True):
-            workers[str(i)] = "unreachable" if answer is None else answer.status
+        _, workers = await self._ask_peers(request, own.status, body, ("authorization", "content-type"))
         try:
-            content = json.loads(own.body)
+            content = json.loads(own_body)
         except ValueError:
             return own
         if isinstance(content, dict):
@@ -222,20 +226,30 @@ class WorkerMesh:
 
     async def _summed_usage(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         own = await handler(request)
-        if own.status != 200 or not isinstance(own, web.Response) or not isinstance(own.body, bytes):
+        own_body = _plain_body(own, 200)
+        if own_body is None:
             return own
-        content = json.loads(own.body)
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        answers = await asyncio.gather(
-            *(self._ask(i, "GET", request.path_qs, headers=headers) for i in self.peers)
-        )
-        workers: dict[str, int | str] = {str(self.index): own.status}
-        for i, answer in zip(self.peers, answers, strict=True):
-            workers[str(i)] = "unreachable" if answer is None else answer.status
+        content = json.loads(own_body)
+        answers, workers = await self._ask_peers(request, own.status, None, ("authorization",))
+        for answer in answers:
             if answer is not None and answer.status == 200:
                 content["tenants"] = add_counts(content["tenants"], json.loads(answer.body)["tenants"])
         content["workers"] = workers
         return web.json_response(content)
+
+    async def _ask_peers(
+        self, request: web.Request, own_status: int, body: bytes | None, forwarded: tuple[str, ...]
+    ) -> tuple[list[PeerAnswer | None], dict[str, int | str]]:
+        """Every peer's answer to ``request`` (with its ``forwarded`` headers), and per worker, this
+        one included, the status it answered with (``"unreachable"``: none)."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() in forwarded}
+        answers = await asyncio.gather(
+            *(self._ask(i, request.method, request.path_qs, body, headers) for i in self.peers)
+        )
+        workers: dict[str, int | str] = {str(self.index): own_status}
+        for i, answer in zip(self.peers, answers, strict=True):
+            workers[str(i)] = "unreachable" if answer is None else answer.status
+        return list(answers), workers
 
     async def _wherever_found(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         own = await handler(request)
