@@ -8,7 +8,7 @@ its ~500-token text prompts (8 shared system prefixes + distinct questions), sen
 clients to one ``kvmesh router --policy precise --tokenizer smollm2`` per source tree. Several
 trees (``--trees /tmp/wt-before/src,src``) and flag sets (``--router-args`` repeated) run side by
 side in one sitting, their rounds alternating, so a busy machine disturbs each alike;
-``--passthrough`` adds the aiohttp floor of ``router_gateway.py``. The figure is the router
+``--passthrough`` adds the two floors of ``router_gateway.py`` (aiohttp, and asyncio protocols). The figure is the router
 process's user+system CPU time per answered request (from /proc), which a shared machine disturbs
 far less than requests/s.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from router_gateway import MODEL, Procs, closed_loop, cpu_seconds, make_prompts, wait_http
+from router_gateway import MODEL, Procs, closed_loop, cpu_seconds, make_prompts, start_passthroughs, wait_http
 
 from kvmesh.core.net import free_port
 
@@ -133,19 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                 label = (tree or "installed") + (f" [{flags}]" if len(flag_sets) > 1 else "")
                 routers[label] = (f"http://127.0.0.1:{port}", proc.pid, out)
         if args.passthrough:
-            port = free_port()
-            proc = procs.start(
-                [
-                    sys.executable,
-                    gateway_script,
-                    "--serve-passthrough",
-                    str(port),
-                    "--upstreams",
-                    ",".join(backend_urls),
-                ]
-            )
-            wait_http(f"http://127.0.0.1:{port}/health", 30)
-            routers["aiohttp pass-through (floor)"] = (f"http://127.0.0.1:{port}", proc.pid, None)
+            for label, (url, pid) in start_passthroughs(procs, backend_urls).items():
+                routers[label] = (url, pid, None)
         cpu_ms: dict[str, list[float]] = {label: [] for label in routers}
         rps: dict[str, list[float]] = {label: [] for label in routers}
         prompts = make_prompts(args.num_prompts, prompt_tokens=args.prompt_tokens)

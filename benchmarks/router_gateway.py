@@ -136,6 +136,83 @@ def serve_passthrough(port: int, upstreams: list[str]) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, loop=uvloop.new_event_loop())
 
 
+def serve_asyncio_passthrough(port: int, upstreams: list[str]) -> None:
+    """The least a Python gateway does per request: requests parsed by llhttp (``httptools``) in
+    an asyncio protocol, each body posted to the next upstream with the router's own client
+    (``kvmesh.router.upstream_http``), the answer written back. No aiohttp on either side, no
+    parsing of the body, no routing: the floor under any router written in Python on uvloop."""
+    import itertools
+
+    import httptools
+    import uvloop
+
+    from kvmesh.router.upstream_http import UpstreamClient
+
+    client = UpstreamClient()
+    turn = itertools.cycle(upstreams)
+    json_type = {"Content-Type": "application/json"}
+
+    class Front(asyncio.Protocol):
+        def __init__(self) -> None:
+            self.parser = httptools.HttpRequestParser(self)
+            self.url = b""
+            self.body: list[bytes] = []
+
+        def connection_made(self, transport: Any) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            self.parser.feed_data(data)
+
+        def on_url(self, url: bytes) -> None:
+            self.url = url
+
+        def on_body(self, body: bytes) -> None:
+            self.body.append(body)
+
+        def on_message_complete(self) -> None:
+            body, self.body = b"".join(self.body), []
+            asyncio.get_running_loop().create_task(self.answer(self.url.decode(), body))
+
+        async def answer(self, path: str, body: bytes) -> None:
+            if path == "/health":
+                status, out = 200, b'{"status": "ok"}'
+            else:
+                resp = await client.post(next(turn), path, body, json_type, timeout_s=30)
+                try:
+                    status, out = resp.status, await resp.read()
+                finally:
+                    resp.release()
+            self.transport.write(
+                b"HTTP/1.1 %d OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (status, len(out), out)
+            )
+
+    async def serve() -> None:
+        server = await asyncio.get_running_loop().create_server(Front, "127.0.0.1", port)
+        await server.serve_forever()
+
+    uvloop.run(serve())
+
+
+PASSTHROUGHS = {"aiohttp pass-through (floor)": "aiohttp", "asyncio pass-through (Python floor)": "asyncio"}
+"""``--passthrough`` targets: label -> ``--serve-passthrough-kind``."""
+
+
+def start_passthroughs(procs: Procs, backend_urls: list[str]) -> dict[str, tuple[str, int]]:
+    """Start both pass-through floors before ``backend_urls``: label -> (url, pid)."""
+    started: dict[str, tuple[str, int]] = {}
+    for label, kind in PASSTHROUGHS.items():
+        port = free_port()
+        proc = procs.start(
+            [sys.executable, __file__, "--serve-passthrough", str(port), "--serve-passthrough-kind", kind,
+             "--upstreams", ",".join(backend_urls)]
+        )  # fmt: skip
+        wait_http(f"http://127.0.0.1:{port}/health", 30)
+        started[label] = (f"http://127.0.0.1:{port}", proc.pid)
+    return started
+
+
 # ---------------------------------------------------------------------------- processes
 
 
@@ -283,9 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-passthrough", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--upstreams", default="", help=argparse.SUPPRESS)
     parser.add_argument(
+        "--serve-passthrough-kind", choices=["aiohttp", "asyncio"], default="aiohttp", help=argparse.SUPPRESS
+    )
+    parser.add_argument(
         "--passthrough",
         action="store_true",
-        help="add a bare aiohttp pass-through proxy (no parsing, no routing) as the floor of any aiohttp router",
+        help="add two bare pass-through proxies (no parsing, no routing): on aiohttp, and on asyncio protocols "
+        "with the router's upstream client (the floor of any Python router)",
     )
     parser.add_argument("--backends", type=int, default=3)
     parser.add_argument("--backend-delay-ms", type=float, default=5.0)
@@ -328,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         serve_backend(args.serve_backend, args.backend_delay_ms)
         return 0
     if args.serve_passthrough:
-        serve_passthrough(args.serve_passthrough, args.upstreams.split(","))
+        serve = serve_passthrough if args.serve_passthrough_kind == "aiohttp" else serve_asyncio_passthrough
+        serve(args.serve_passthrough, args.upstreams.split(","))
         return 0
 
     procs = Procs()
@@ -374,20 +456,9 @@ def main(argv: list[str] | None = None) -> int:
             targets[name] = [f"http://127.0.0.1:{kv_port}"]
             pids[name] = kv_proc.pid
         if args.passthrough:
-            pt_port = free_port()
-            pt_proc = procs.start(
-                [
-                    sys.executable,
-                    __file__,
-                    "--serve-passthrough",
-                    str(pt_port),
-                    "--upstreams",
-                    ",".join(backend_urls),
-                ]
-            )
-            wait_http(f"http://127.0.0.1:{pt_port}/health", 30)
-            targets["aiohttp pass-through (floor)"] = [f"http://127.0.0.1:{pt_port}"]
-            pids["aiohttp pass-through (floor)"] = pt_proc.pid
+            for label, (url, pid) in start_passthroughs(procs, backend_urls).items():
+                targets[label] = [url]
+                pids[label] = pid
         if not args.skip_sglang:
             python = ensure_sglang_router(args.sglang_venv)
             sg_port, sg_prom = free_port(), free_port()
@@ -432,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {
             k: (str(v) if isinstance(v, Path) else v)
             for k, v in vars(args).items()
-            if k not in ("serve_backend", "serve_passthrough", "upstreams")
+            if k not in ("serve_backend", "serve_passthrough", "serve_passthrough_kind", "upstreams")
         },
         "results": results,
     }

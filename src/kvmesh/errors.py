@@ -44,3 +44,12 @@ class RequestError(KVMeshError, ValueError):
         self.message = message
         self.status = status
         self.param = param
+
+
+class UpstreamError(KVMeshError):
+    """An endpoint's answer broke after it began (reset or closed mid-answer, malformed HTTP)."""
+
+
+class UpstreamUnreachableError(UpstreamError):
+    """No answer began: the connection could not be opened, or it closed before the first byte of
+    a response. Nothing was generated, so another endpoint may take the request."""

@@ -76,6 +76,7 @@ from kvmesh.router.request_parser import RequestParser
 from kvmesh.router.scheduler import Scheduler, load_scheduler_config
 from kvmesh.router.tokenize import CachedTokenizer, PromptTokenizer
 from kvmesh.router.types import Decision, EndpointState, PrefixMatch, RoutingRequest
+from kvmesh.router.upstream_http import UpstreamClient
 from kvmesh.router.usage import UsageCollector
 from kvmesh.router.write_behind import WriteBehindIndex
 
@@ -83,6 +84,9 @@ logger = logging.getLogger(__name__)
 
 _PIN_KEY = web.RequestKey("kvmesh_pin", tuple[RoutingRequest, float])
 """Where a request that asks for a pin keeps (routing request, TTL) for :meth:`Gateway._maybe_record_pin`."""
+
+UPSTREAM_CONNECT_TIMEOUT_S = 2.0
+"""An endpoint that does not accept a connection this fast is skipped for the next ranked one."""
 
 _FORWARD_HEADERS = ("authorization", TENANT_HEADER, SESSION_HEADER)
 """Client headers sent on to the endpoint (``x-request-id`` too, set by the router)."""
@@ -203,10 +207,10 @@ class Gateway:
         self.discovery: DnsDiscovery | None = None
         self.proxy: UpstreamProxy | None = None
         self.prefill_leg: PrefillLeg | None = None
-        self._session: aiohttp.ClientSession | None = None
-        """Requests to the endpoints (bounded per endpoint by ``config.upstream``)."""
+        self._client: UpstreamClient | None = None
+        """Requests to the endpoints, P/D prefill legs included (bounded per endpoint by ``config.upstream``)."""
         self._probe_session: aiohttp.ClientSession | None = None
-        """The endpoint pool's health checks, scrapes and discovery."""
+        """The endpoint pool's health checks, scrapes and discovery, and ``/v1/models``."""
         self._pending_events: dict[PodId, tuple[str, str | None]] = {}
         self.prefill_ledger = prefill_ledger_of(scheduler_config)
         """Prefill work sent to each endpoint and not yet answered, and the pool's learned speed."""
@@ -261,15 +265,10 @@ class Gateway:
     async def start(self) -> None:
         """Open the client session, add the configured endpoints and start the background loops."""
         upstream = self.config.upstream
-        connector = aiohttp.TCPConnector(
-            limit=0,
-            limit_per_host=upstream.max_connections_per_endpoint,
-            keepalive_timeout=upstream.keepalive_s,
-            ttl_dns_cache=300,
-            enable_cleanup_closed=True,
-        )
-        session = self._session = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
+        client = self._client = UpstreamClient(
+            max_connections_per_endpoint=upstream.max_connections_per_endpoint,
+            keepalive_s=upstream.keepalive_s,
+            connect_timeout_s=UPSTREAM_CONNECT_TIMEOUT_S,
         )
         # Probes get their own pool: behind requests waiting for a connection, a health check
         # would time out and take a busy (not dead) endpoint out of the pool.
@@ -288,7 +287,7 @@ class Gateway:
             on_events=self._on_events,
         )
         self.proxy = UpstreamProxy(
-            session,
+            client,
             pool,
             self.metrics,
             self.prefill_ledger,
@@ -297,7 +296,7 @@ class Gateway:
             on_first_token=None if self.flow_gate is None else self.flow_gate.wake,
             reporter=self.cache_report,
         )
-        self.prefill_leg = PrefillLeg(session, pool, self.metrics, timeout_s=self.config.request_timeout_s)
+        self.prefill_leg = PrefillLeg(client, pool, self.metrics, timeout_s=self.config.request_timeout_s)
         for endpoint in self.config.endpoints:
             await pool.add(endpoint)
         if self.config.discovery:
@@ -327,10 +326,11 @@ class Gateway:
             await asyncio.to_thread(self.writer.close)
         if isinstance(self._own_index, RedisIndex):
             self._own_index.close()
-        for session in (self._session, self._probe_session):
-            if session is not None:
-                await session.close()
-        self._session = self._probe_session = None
+        if self._client is not None:
+            await self._client.aclose()
+        if self._probe_session is not None:
+            await self._probe_session.close()
+        self._client = self._probe_session = None
 
     def _on_events(self, pod: PodId, endpoint: str | None, replay: str | None) -> None:
         if endpoint is None:
@@ -565,7 +565,7 @@ class Gateway:
         )
         raw = parsed.raw
         if decision.prefill is not None:
-            await prefill_leg.run(request.path, parsed.body, headers, decision.prefill)
+            await prefill_leg.run(request.rel_url.raw_path, parsed.body, headers, decision.prefill)
             raw = msgspec.json.encode(decode_body(parsed.body))
         self.metrics.prompt_tokens.inc(routing.num_tokens)
         if gate is None:
@@ -604,7 +604,7 @@ class Gateway:
             return PrefixMatch(0, self.config.block_size)
 
     async def _models(self, request: web.Request) -> web.Response:
-        assert self._session is not None and self.pool is not None
+        assert self._probe_session is not None and self.pool is not None
         # Endpoints serving LoRA adapters each list their own; the router lists them all.
         listed = merged_models(e.models for e in self.pool.endpoints if e.state.healthy and e.models)
         if listed:
@@ -613,7 +613,7 @@ class Gateway:
             if not state.healthy:
                 continue
             try:
-                async with self._session.get(
+                async with self._probe_session.get(
                     f"{state.pod}/v1/models", timeout=aiohttp.ClientTimeout(total=2.0)
                 ) as resp:
                     if resp.status == 200:

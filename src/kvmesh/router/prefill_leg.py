@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import aiohttp
 import msgspec
 
 from kvmesh.core.tenancy import Role
 from kvmesh.core.types import PodId
+from kvmesh.errors import UpstreamError, UpstreamUnreachableError
 from kvmesh.router.endpoints import EndpointPool
 from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.upstream_http import UpstreamClient
 
 logger = logging.getLogger(__name__)
 
@@ -43,19 +44,19 @@ class PrefillLeg:
     """Runs prefill legs.
 
     Args:
-        session: the client session.
+        client: the HTTP client to the endpoints.
         pool: the endpoints; connect failures are reported and in-flight requests counted on it.
         metrics: where prefill decisions are counted.
         timeout_s: total time one leg may take.
     """
 
     def __init__(
-        self, session: aiohttp.ClientSession, pool: EndpointPool, metrics: RouterMetrics, *, timeout_s: float
+        self, client: UpstreamClient, pool: EndpointPool, metrics: RouterMetrics, *, timeout_s: float
     ) -> None:
-        self.session = session
+        self.client = client
         self.pool = pool
         self.metrics = metrics
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.timeout_s = timeout_s
 
     async def run(self, path: str, body: dict[str, Any], headers: dict[str, str], pod: PodId) -> None:
         """Send ``body``'s prefill leg to ``pod`` on ``path`` and wait for its answer.
@@ -65,18 +66,18 @@ class PrefillLeg:
         self.metrics.prefill_decisions.labels(pod).inc()
         self.pool.begin_request(pod)
         try:
-            async with self.session.post(
-                f"{pod}{path}",
-                data=msgspec.json.encode(prefill_body(body)),
-                headers=headers,
-                timeout=self._timeout,
-            ) as resp:
+            resp = await self.client.post(
+                pod, path, msgspec.json.encode(prefill_body(body)), headers, timeout_s=self.timeout_s
+            )
+            try:
                 await resp.read()
-                if resp.status != 200:
-                    logger.warning("prefill leg on %s answered %d", pod, resp.status)
-        except aiohttp.ClientConnectorError as exc:
+            finally:
+                resp.release()
+            if resp.status != 200:
+                logger.warning("prefill leg on %s answered %d", pod, resp.status)
+        except UpstreamUnreachableError as exc:
             self.pool.report_failure(pod, str(exc))
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (UpstreamError, TimeoutError) as exc:
             logger.warning("prefill leg on %s failed: %s", pod, exc)
         finally:
             self.pool.end_request(pod)

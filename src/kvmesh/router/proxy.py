@@ -18,20 +18,20 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import aiohttp
 import msgspec
 from aiohttp import web
-from yarl import URL
 
 from kvmesh.core.cache_usage import CACHE_HEADER, ENGINE_CACHED_HEADER, REQUEST_ID_HEADER, CacheUsage
 from kvmesh.core.tenancy import ENDPOINT_HEADER
 from kvmesh.core.types import PodId
+from kvmesh.errors import UpstreamError, UpstreamUnreachableError
 from kvmesh.router.cache_report import CacheNote, CacheReporter
 from kvmesh.router.endpoints import EndpointPool
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.prefill_ledger import PrefillLedger
 from kvmesh.router.replies import error_response
 from kvmesh.router.types import Decision, RoutingRequest
+from kvmesh.router.upstream_http import UpstreamClient, UpstreamResponse
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class UpstreamProxy:
     """Sends requests to endpoints and relays their answers.
 
     Args:
-        session: the client session (shared with the pool's health checks).
+        client: the HTTP client to the endpoints.
         pool: the endpoints; failures are reported to it and in-flight requests counted on it.
         metrics: where retries, errors, decisions and hits are counted.
         ledger: the outstanding prefill work per endpoint (sent, first token, finished).
@@ -65,7 +65,7 @@ class UpstreamProxy:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        client: UpstreamClient,
         pool: EndpointPool,
         metrics: RouterMetrics,
         ledger: PrefillLedger,
@@ -75,22 +75,14 @@ class UpstreamProxy:
         on_first_token: Callable[[], None] | None = None,
         reporter: CacheReporter | None = None,
     ) -> None:
-        self.session = session
+        self.client = client
         self.pool = pool
         self.metrics = metrics
         self.ledger = ledger
         self.max_attempts = max_attempts
         self.on_first_token = on_first_token
         self.reporter = reporter
-        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=2.0)
-        self._urls: dict[tuple[PodId, str], URL] = {}
-
-    def _upstream_url(self, pod: PodId, path: str) -> URL:
-        """Parsed once per (endpoint, route): URL parsing is a visible share of a proxied request."""
-        url = self._urls.get((pod, path))
-        if url is None:
-            url = self._urls[(pod, path)] = URL(f"{pod}{path}")
-        return url
+        self.request_timeout_s = request_timeout_s
 
     async def forward(
         self,
@@ -120,6 +112,7 @@ class UpstreamProxy:
         ledger = self.ledger
         rid = routing.request_id
         last_error = ""
+        path = request.rel_url.raw_path
         for n, pod in enumerate(decision.ranked[: self.max_attempts]):
             endpoint = pool.get(pod)
             if endpoint is None or (n > 0 and not endpoint.state.healthy):
@@ -131,10 +124,8 @@ class UpstreamProxy:
             if ledger.sessions is not None:
                 ledger.sessions.routed(routing, endpoint.state, now)
             try:
-                upstream = await self.session.post(
-                    self._upstream_url(pod, request.path), data=raw, headers=headers, timeout=self._timeout
-                )
-            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+                upstream = await self.client.post(pod, path, raw, headers, timeout_s=self.request_timeout_s)
+            except UpstreamUnreachableError as exc:
                 # Refused, reset or closed before any response: the endpoint is gone, and nothing
                 # was generated for this request, so the next endpoint can take it.
                 pool.end_request(pod)
@@ -143,7 +134,7 @@ class UpstreamProxy:
                 self.metrics.retries.inc()
                 last_error = f"{pod}: {exc}"
                 continue
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            except (UpstreamError, TimeoutError) as exc:
                 pool.end_request(pod)
                 ledger.finished(rid)
                 self.metrics.errors.labels("upstream").inc()
@@ -164,17 +155,17 @@ class UpstreamProxy:
     async def _relay(
         self,
         request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         pod: PodId,
         request_id: str,
         response_headers: Mapping[str, str] | None,
         note: CacheNote | None,
     ) -> web.StreamResponse:
-        content_type = upstream.headers.get("Content-Type", "application/json")
+        content_type = upstream.headers.get("content-type", "application/json")
         if not content_type.startswith("text/event-stream"):
             try:
                 data = await upstream.read()
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            except (UpstreamError, TimeoutError) as exc:
                 self.metrics.errors.labels("upstream").inc()
                 return error_response(
                     502, f"endpoint {pod} failed mid-response: {exc}", kind="upstream_error"
@@ -189,12 +180,12 @@ class UpstreamProxy:
                 if upstream.status == 200 and self.reporter is not None:
                     headers[CACHE_HEADER] = self.reporter.finish(note, pod, usage).header_value()
             return web.Response(status=upstream.status, body=data, headers=headers)
-        chunks = upstream.content.iter_any()
+        chunks = upstream.iter_chunks()
         try:
             # The client's answer starts with the engine's first chunk: by then the engine's
             # headers are in, and the router's can say what it reported.
             head = await anext(chunks, b"")
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (UpstreamError, TimeoutError) as exc:
             self.metrics.errors.labels("upstream").inc()
             return error_response(
                 502, f"endpoint {pod} failed before streaming: {exc}", kind="upstream_error"
@@ -205,7 +196,7 @@ class UpstreamProxy:
         stream.headers[ENDPOINT_HEADER] = pod
         if response_headers:
             stream.headers.update(response_headers)
-        reported = CacheUsage.from_header(upstream.headers.get(ENGINE_CACHED_HEADER))
+        reported = CacheUsage.from_header(upstream.headers.get(ENGINE_CACHED_HEADER))  # lowercase name
         ok = upstream.status == 200
         if note is not None:
             stream.headers[REQUEST_ID_HEADER] = note.request_id
@@ -226,7 +217,7 @@ class UpstreamProxy:
             async for chunk in chunks:
                 await stream.write(chunk)
                 tail = (tail + chunk)[-_USAGE_TAIL:]
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (UpstreamError, TimeoutError) as exc:
             self.metrics.errors.labels("upstream").inc()
             logger.warning("stream from %s broke: %s", pod, exc)
             with contextlib.suppress(ConnectionResetError):
