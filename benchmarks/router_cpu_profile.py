@@ -8,9 +8,10 @@ its ~500-token text prompts (8 shared system prefixes + distinct questions), sen
 clients to one ``kvmesh router --policy precise --tokenizer smollm2`` per source tree. Several
 trees (``--trees /tmp/wt-before/src,src``) and flag sets (``--router-args`` repeated) run side by
 side in one sitting, their rounds alternating, so a busy machine disturbs each alike;
-``--passthrough`` adds the two floors of ``router_gateway.py`` (aiohttp, and asyncio protocols). The figure is the router
-process's user+system CPU time per answered request (from /proc), which a shared machine disturbs
-far less than requests/s.
+``--passthrough`` adds the floors of ``router_gateway.py`` (aiohttp; aiohttp's server with the
+router's client; asyncio protocols with the router's client). The figure is the router process's
+user+system CPU time per answered request (from /proc), which a shared machine disturbs far less
+than requests/s.
 
 ``--profile`` runs each router under cProfile for the measured phase only (turned on and off by
 signal, so start-up and warm-up are not in it) and prints its functions by own time; the CPU

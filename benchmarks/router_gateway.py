@@ -100,25 +100,35 @@ def serve_backend(port: int, delay_ms: float) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
-def serve_passthrough(port: int, upstreams: list[str]) -> None:
+def serve_passthrough(port: int, upstreams: list[str], *, own_client: bool = False) -> None:
     """The least an aiohttp gateway does per request: read the body, post it to the next upstream
     (round robin, one pooled client session), return the answer. No parsing, no routing: the
-    floor under any router built on aiohttp, run on uvloop as ``kvmesh router`` is."""
+    floor under any router built on aiohttp, run on uvloop as ``kvmesh router`` is. With
+    ``own_client`` the upstream requests go through the router's client
+    (``kvmesh.router.upstream_http``) instead of aiohttp's: what aiohttp's server alone costs."""
     import itertools
 
     import aiohttp
     import uvloop
     from aiohttp import web
 
+    from kvmesh.router.upstream_http import UpstreamClient
+
     turn = itertools.cycle(upstreams)
+    client = UpstreamClient()
+    json_type = {"Content-Type": "application/json"}
 
     async def forward(request: web.Request) -> web.Response:
         body = await request.read()
+        if own_client:
+            up = await client.post(next(turn), request.path, body, json_type, timeout_s=30)
+            try:
+                return web.Response(body=await up.read(), status=up.status, content_type="application/json")
+            finally:
+                up.release()
         session: aiohttp.ClientSession = request.app["session"]
-        async with session.post(
-            next(turn) + request.path, data=body, headers={"Content-Type": "application/json"}
-        ) as up:
-            return web.Response(body=await up.read(), status=up.status, content_type="application/json")
+        async with session.post(next(turn) + request.path, data=body, headers=json_type) as resp:
+            return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
 
     async def ok(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -195,12 +205,16 @@ def serve_asyncio_passthrough(port: int, upstreams: list[str]) -> None:
     uvloop.run(serve())
 
 
-PASSTHROUGHS = {"aiohttp pass-through (floor)": "aiohttp", "asyncio pass-through (Python floor)": "asyncio"}
+PASSTHROUGHS = {
+    "aiohttp pass-through (floor)": "aiohttp",
+    "aiohttp server + kvmesh client pass-through": "aiohttp-server",
+    "asyncio pass-through (Python floor)": "asyncio",
+}
 """``--passthrough`` targets: label -> ``--serve-passthrough-kind``."""
 
 
 def start_passthroughs(procs: Procs, backend_urls: list[str]) -> dict[str, tuple[str, int]]:
-    """Start both pass-through floors before ``backend_urls``: label -> (url, pid)."""
+    """Start the pass-through floors before ``backend_urls``: label -> (url, pid)."""
     started: dict[str, tuple[str, int]] = {}
     for label, kind in PASSTHROUGHS.items():
         port = free_port()
@@ -360,13 +374,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-passthrough", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--upstreams", default="", help=argparse.SUPPRESS)
     parser.add_argument(
-        "--serve-passthrough-kind", choices=["aiohttp", "asyncio"], default="aiohttp", help=argparse.SUPPRESS
+        "--serve-passthrough-kind",
+        choices=["aiohttp", "aiohttp-server", "asyncio"],
+        default="aiohttp",
+        help=argparse.SUPPRESS,
     )
     parser.add_argument(
         "--passthrough",
         action="store_true",
-        help="add two bare pass-through proxies (no parsing, no routing): on aiohttp, and on asyncio protocols "
-        "with the router's upstream client (the floor of any Python router)",
+        help="add bare pass-through proxies (no parsing, no routing): on aiohttp; aiohttp's server with the "
+        "router's upstream client; asyncio protocols with the router's client (the floor of any Python router)",
     )
     parser.add_argument("--backends", type=int, default=3)
     parser.add_argument("--backend-delay-ms", type=float, default=5.0)
@@ -409,8 +426,13 @@ def main(argv: list[str] | None = None) -> int:
         serve_backend(args.serve_backend, args.backend_delay_ms)
         return 0
     if args.serve_passthrough:
-        serve = serve_passthrough if args.serve_passthrough_kind == "aiohttp" else serve_asyncio_passthrough
-        serve(args.serve_passthrough, args.upstreams.split(","))
+        upstreams = args.upstreams.split(",")
+        if args.serve_passthrough_kind == "asyncio":
+            serve_asyncio_passthrough(args.serve_passthrough, upstreams)
+        else:
+            serve_passthrough(
+                args.serve_passthrough, upstreams, own_client=args.serve_passthrough_kind != "aiohttp"
+            )
         return 0
 
     procs = Procs()

@@ -1,10 +1,10 @@
 """HTTP/1.1 from the router to its endpoints on asyncio protocols: the request path's client.
 
-Every routed request is one POST to an endpoint and its answer relayed back. aiohttp's client
-spends most of a bare relay's CPU per request (``benchmarks/router_gateway.py --passthrough``:
-~0.18 of its ~0.38 ms on the benchmark machine); this client writes the request head itself,
-parses the answer with llhttp (``httptools``) and keeps connections alive per endpoint, and costs a
-small fraction of that. It does only what the router needs: POST with a body, the answer's status
+Every routed request is one POST to an endpoint and its answer relayed back. aiohttp's client was
+the larger part of a bare aiohttp relay's CPU per request (``benchmarks/router_cpu_profile.py
+--passthrough``: the relay 0.435 ms, with this client instead 0.267 ms); this client writes the
+request head itself, parses the answer with llhttp (``httptools``) and keeps connections alive per
+endpoint. It does only what the router needs: POST with a body, the answer's status
 and headers, its body whole (:meth:`UpstreamResponse.read`) or chunk by chunk as it arrives
 (:meth:`UpstreamResponse.iter_chunks`, for SSE), one deadline per request, a bound on connections
 per endpoint.
