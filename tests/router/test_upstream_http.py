@@ -376,15 +376,20 @@ async def test_an_answer_released_unread_closes_its_connection(app_server) -> No
     await client.aclose()
 
 
-async def test_idle_connections_close_after_keepalive(app_server) -> None:
+async def test_idle_connections_close_after_keepalive_and_unused_endpoints_are_forgotten(app_server) -> None:
     url = await app_server(echo_app())
     client = UpstreamClient(keepalive_s=0.1)
     resp = await client.post(url, "/v1/completions", b"{}", JSON, timeout_s=5)
     await resp.read()
     resp.release()
-    assert client.num_open(url) == 1
-    await asyncio.sleep(0.3)
-    assert client.num_open(url) == 0
+    assert client.num_open(url) == 1 and client.num_hosts() == 1
+    await asyncio.sleep(0.15)
+    assert client.num_open(url) == 0  # closed after keepalive
+    await asyncio.sleep(0.2)
+    assert client.num_hosts() == 0  # and the endpoint forgotten a keepalive later
+    resp = await client.post(url, "/v1/completions", b"{}", JSON, timeout_s=5)  # starts anew
+    assert await resp.read() == b"{}"
+    resp.release()
     await client.aclose()
 
 

@@ -65,14 +65,17 @@ class Origin:
 class _Host:
     """The connections to one origin: the idle ones oldest first, and requests waiting for one."""
 
-    def __init__(self, client: UpstreamClient, origin: Origin) -> None:
+    def __init__(self, client: UpstreamClient, endpoint: str, origin: Origin) -> None:
         self.client = client
+        self.endpoint = endpoint
         self.origin = origin
         self.loop = asyncio.get_running_loop()
         self.idle: collections.deque[UpstreamConnection] = collections.deque()
         self.num_open = 0
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._sweep: asyncio.TimerHandle | None = None
+        self.heads: dict[str, bytes] = {}
+        """Each route's request line and Host header, encoded once."""
 
     async def acquire(self, deadline: float) -> tuple[UpstreamConnection, bool]:
         """A connection for one request and whether it was kept alive from an earlier one."""
@@ -143,6 +146,9 @@ class _Host:
     def _release_slot(self) -> None:
         self.num_open -= 1
         self._wake_one()
+        if self.num_open == 0 and self._sweep is None:
+            # Unused for keepaliveS from now on, the host is dropped (pods come and go).
+            self._sweep = self.loop.call_later(self.client.keepalive_s, self._close_expired)
 
     def _wake_one(self) -> None:
         while self.waiters:
@@ -156,9 +162,14 @@ class _Host:
         cutoff = self.loop.time() - self.client.keepalive_s
         while self.idle and self.idle[0].idle_since <= cutoff:
             self.idle.popleft().close()
+        if self._sweep is not None:  # the last close asked for a sweep: this is it
+            self._sweep.cancel()
+            self._sweep = None
         if self.idle:
             wait = self.idle[0].idle_since + self.client.keepalive_s - self.loop.time()
             self._sweep = self.loop.call_later(max(wait, 0.01), self._close_expired)
+        elif self.num_open == 0 and not self.waiters:
+            self.client.drop_host(self)
 
 
 class UpstreamClient:
@@ -185,7 +196,6 @@ class UpstreamClient:
         self.keepalive_s = keepalive_s
         self.connect_timeout_s = connect_timeout_s
         self._hosts: dict[str, _Host] = {}
-        self._heads: dict[tuple[str, str], bytes] = {}
         self._tls: ssl.SSLContext | None = None
 
     async def post(
@@ -212,8 +222,11 @@ class UpstreamClient:
         """
         host = self._hosts.get(endpoint)
         if host is None:
-            host = self._hosts[endpoint] = _Host(self, Origin.parse(endpoint))
-        data = self._request_head(endpoint, host.origin, path) + _header_lines(headers, len(body)) + body
+            host = self._hosts[endpoint] = _Host(self, endpoint, Origin.parse(endpoint))
+        head = host.heads.get(path)
+        if head is None:
+            head = host.heads[path] = _request_head(host.origin, path)
+        data = head + _header_lines(headers, len(body)) + body
         deadline = host.loop.time() + timeout_s
         for attempt in (1, 2):
             conn, reused = await host.acquire(deadline)
@@ -249,14 +262,20 @@ class UpstreamClient:
             self._tls = ssl.create_default_context()
         return self._tls
 
-    def _request_head(self, endpoint: str, origin: Origin, path: str) -> bytes:
-        head = self._heads.get((endpoint, path))
-        if head is None:
-            if any(c in path for c in " \r\n"):
-                raise ValueError(f"request path must be percent-encoded, got {path!r}")
-            line = f"POST {origin.base_path}{path} HTTP/1.1\r\nHost: {origin.host_header}\r\n"
-            head = self._heads[(endpoint, path)] = line.encode("utf-8")
-        return head
+    def drop_host(self, host: _Host) -> None:
+        """``host`` has had no connection for ``keepalive_s``: forget it (a new request starts anew)."""
+        if self._hosts.get(host.endpoint) is host:
+            del self._hosts[host.endpoint]
+
+    def num_hosts(self) -> int:
+        """Endpoints with connections open or closed less than ``keepalive_s`` ago."""
+        return len(self._hosts)
+
+
+def _request_head(origin: Origin, path: str) -> bytes:
+    if any(c in path for c in " \r\n"):
+        raise ValueError(f"request path must be percent-encoded, got {path!r}")
+    return f"POST {origin.base_path}{path} HTTP/1.1\r\nHost: {origin.host_header}\r\n".encode()
 
 
 _OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
