@@ -77,7 +77,7 @@ class PrefillLeg:
                 logger.warning("prefill leg on %s answered %d", pod, resp.status)
         except UpstreamUnreachableError as exc:
             self.pool.report_failure(pod, str(exc))
-        except (UpstreamError, TimeoutError) as exc:
+        except (UpstreamError, TimeoutError, ValueError) as exc:
             logger.warning("prefill leg on %s failed: %s", pod, exc)
         finally:
             self.pool.end_request(pod)

@@ -134,7 +134,7 @@ class UpstreamProxy:
                 self.metrics.retries.inc()
                 last_error = f"{pod}: {exc}"
                 continue
-            except (UpstreamError, TimeoutError) as exc:
+            except (UpstreamError, TimeoutError, ValueError) as exc:  # ValueError: not an http(s) URL
                 pool.end_request(pod)
                 ledger.finished(rid)
                 self.metrics.errors.labels("upstream").inc()
