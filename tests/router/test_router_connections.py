@@ -65,6 +65,14 @@ async def test_connections_to_each_engine_stay_within_the_bound_round_after_roun
                 assert max(router_connections(es)) <= limit
                 assert sum(len(e.received) for e in es) - received == 2 * BOUND
                 assert all(s.healthy for s in gw.pool.states())
+                page = await (await client.get("/metrics")).text()
+                for e in es:
+                    assert (
+                        f'kvmesh_router_upstream_connections{{endpoint="{e.url}",state="busy"}} {BOUND}.0'
+                        in page
+                    )
+                    waiting = f'kvmesh_router_upstream_waiting_requests{{endpoint="{e.url}"}} '
+                    assert float(page.split(waiting)[1].split()[0]) > 0
             finally:
                 gate.set()
             assert await asyncio.gather(*tasks) == [200] * CONCURRENT

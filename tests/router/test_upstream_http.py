@@ -119,9 +119,16 @@ async def test_a_waiter_times_out_when_no_connection_frees(app_server) -> None:
     client = UpstreamClient(max_connections_per_endpoint=1)
     first = asyncio.create_task(client.post(url, "/v1/completions", b"{}", JSON, timeout_s=5))
     await asyncio.sleep(0.1)
+    second = asyncio.create_task(client.post(url, "/v1/completions", b"{}", JSON, timeout_s=0.2))
+    await asyncio.sleep(0.05)
+    assert client.connection_counts() == {url: (1, 0, 1)}  # busy, idle, waiting
     with pytest.raises(TimeoutError):
-        await client.post(url, "/v1/completions", b"{}", JSON, timeout_s=0.1)
-    (await first).release()
+        await second
+    assert client.connection_counts() == {url: (1, 0, 0)}
+    resp = await first
+    await resp.read()
+    resp.release()
+    assert client.connection_counts() == {url: (0, 1, 0)}
     await client.aclose()
 
 

@@ -202,6 +202,7 @@ class Gateway:
         self.applier: EventApplier | None = None
         self.metrics.watch_ingest(lambda: self.applier)
         self.metrics.watch_endpoints(lambda: [] if self.pool is None else self.pool.states())
+        self.metrics.watch_upstream(lambda: {} if self._client is None else self._client.connection_counts())
         self.intake: EventIntake | None = None
         self.pool: EndpointPool | None = None
         self.discovery: DnsDiscovery | None = None

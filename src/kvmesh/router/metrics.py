@@ -185,6 +185,32 @@ class FlowQueueCollector(ScrapeCollector[Mapping[tuple[str, int], int]]):
         )
 
 
+class UpstreamConnectionsCollector(ScrapeCollector[Mapping[str, tuple[int, int, int]]]):
+    """Exports the request connections to each endpoint at scrape time.
+
+    Args:
+        source: returns (busy, idle, waiting requests) per endpoint.
+    """
+
+    def collect(self) -> Iterator[Metric]:
+        connections = GaugeMetricFamily(
+            "kvmesh_router_upstream_connections",
+            "Connections open from the router to an endpoint for requests, busy (opening included) or idle",
+            labels=["endpoint", "state"],
+        )
+        waiting = GaugeMetricFamily(
+            "kvmesh_router_upstream_waiting_requests",
+            "Requests waiting for a connection to an endpoint (upstream.maxConnectionsPerEndpoint reached)",
+            labels=["endpoint"],
+        )
+        for endpoint, (busy, idle, queued) in sorted(self._source().items()):
+            connections.add_metric([endpoint, "busy"], busy)
+            connections.add_metric([endpoint, "idle"], idle)
+            waiting.add_metric([endpoint], queued)
+        yield connections
+        yield waiting
+
+
 _LATENCY_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 _EVENT_LAG_BUCKETS = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 60.0)
 _QUEUE_WAIT_BUCKETS = (1e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 60.0, 120.0)
@@ -258,6 +284,10 @@ class RouterMetrics:
     def watch_flow(self, source: Callable[[], Mapping[tuple[str, int], int]]) -> None:
         """Export the flow-control queue's depth per (tenant, priority) that ``source`` returns."""
         self.registry.register(FlowQueueCollector(source))
+
+    def watch_upstream(self, source: Callable[[], Mapping[str, tuple[int, int, int]]]) -> None:
+        """Export the request connections per endpoint, (busy, idle, waiting) as ``source`` returns them."""
+        self.registry.register(UpstreamConnectionsCollector(source))
 
     def observe_scorer(self, scorer: str, seconds: float) -> None:
         """Record one scorer run (the scheduler's ``on_timing`` hook)."""

@@ -267,6 +267,17 @@ class UpstreamClient:
         if self._hosts.get(host.endpoint) is host:
             del self._hosts[host.endpoint]
 
+    def connection_counts(self) -> dict[str, tuple[int, int, int]]:
+        """Per endpoint: connections busy (opening included), connections idle, requests waiting for one."""
+        return {
+            endpoint: (
+                host.num_open - len(host.idle),
+                len(host.idle),
+                sum(not w.done() for w in host.waiters),
+            )
+            for endpoint, host in self._hosts.items()
+        }
+
     def num_hosts(self) -> int:
         """Endpoints with connections open or closed less than ``keepalive_s`` ago."""
         return len(self._hosts)
