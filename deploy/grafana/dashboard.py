@@ -165,6 +165,23 @@ def build() -> dashboard.Dashboard:
     )
     board = board.with_panel(
         series(
+            "Connections to the engines",
+            "short",
+            [
+                query(
+                    "sum by (endpoint, state) (kvmesh_router_upstream_connections)",
+                    "{{endpoint}} {{state}}",
+                    "A",
+                ),
+                query(
+                    "sum by (endpoint) (kvmesh_router_upstream_waiting_requests)", "{{endpoint}} waiting", "B"
+                ),
+            ],
+            "Request connections from the routers to each endpoint, busy or idle, and requests waiting because upstream.maxConnectionsPerEndpoint is reached (summed over routers and workers).",
+        )
+    )
+    board = board.with_panel(
+        series(
             "Errors and retries",
             "reqps",
             [
