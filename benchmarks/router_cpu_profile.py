@@ -80,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=500)
     parser.add_argument("--num-prompts", type=int, default=2000)
     parser.add_argument(
+        "--stream-chunks",
+        type=int,
+        default=0,
+        help="streamed requests, answered with this many SSE token chunks (router_gateway.py's backends)",
+    )
+    parser.add_argument(
         "--router-args",
         action="append",
         default=None,
@@ -111,7 +117,16 @@ def main(argv: list[str] | None = None) -> int:
         backend_urls = []
         for _ in range(args.backends):
             port = free_port()
-            procs.start([sys.executable, gateway_script, "--serve-backend", str(port)])
+            procs.start(
+                [
+                    sys.executable,
+                    gateway_script,
+                    "--serve-backend",
+                    str(port),
+                    "--stream-chunks",
+                    str(args.stream_chunks),
+                ]
+            )
             backend_urls.append(f"http://127.0.0.1:{port}")
         for url in backend_urls:
             wait_http(f"{url}/health", 30)
@@ -144,9 +159,13 @@ def main(argv: list[str] | None = None) -> int:
             # Each round starts with the next router: none is always first (or right after another).
             for label in labels[round_no % len(labels) :] + labels[: round_no % len(labels)]:
                 url, pid, _ = routers[label]
-                asyncio.run(closed_loop([url], prompts, 4, args.warmup_s))
+                asyncio.run(closed_loop([url], prompts, 4, args.warmup_s, stream=args.stream_chunks > 0))
                 before = cpu_seconds(pid)
-                result = asyncio.run(closed_loop([url], prompts, args.concurrency, args.duration))
+                result = asyncio.run(
+                    closed_loop(
+                        [url], prompts, args.concurrency, args.duration, stream=args.stream_chunks > 0
+                    )
+                )
                 used = cpu_seconds(pid) - before
                 served = result["rps"] * args.duration
                 cpu_ms[label].append(1e3 * used / served)
@@ -154,10 +173,12 @@ def main(argv: list[str] | None = None) -> int:
         for label, (url, pid, out) in routers.items() if args.profile else ():
             if out is None:
                 continue
-            asyncio.run(closed_loop([url], prompts, 4, args.warmup_s))
+            asyncio.run(closed_loop([url], prompts, 4, args.warmup_s, stream=args.stream_chunks > 0))
             os.kill(pid, _PROFILE_ON)
             before = cpu_seconds(pid)
-            result = asyncio.run(closed_loop([url], prompts, args.concurrency, args.duration))
+            result = asyncio.run(
+                closed_loop([url], prompts, args.concurrency, args.duration, stream=args.stream_chunks > 0)
+            )
             used = cpu_seconds(pid) - before
             os.kill(pid, _PROFILE_OFF)
             deadline = time.monotonic() + 30

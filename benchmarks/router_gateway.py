@@ -43,8 +43,10 @@ MODEL = "bench-model"
 # ---------------------------------------------------------------------------- backend
 
 
-def serve_backend(port: int, delay_ms: float) -> None:
-    """A minimal OpenAI-style backend: fixed answer after ``delay_ms`` of waiting."""
+def serve_backend(port: int, delay_ms: float, stream_chunks: int = 0) -> None:
+    """A minimal OpenAI-style backend: fixed answer after ``delay_ms`` of waiting; a request with
+    ``"stream": true`` is answered with ``stream_chunks`` SSE token chunks, a usage chunk and
+    ``[DONE]``, written as fast as the connection takes them."""
     from aiohttp import web
 
     delay = delay_ms / 1000.0
@@ -63,11 +65,25 @@ def serve_backend(port: int, delay_ms: float) -> None:
         }
     ).encode()
 
-    async def completions(request: web.Request) -> web.Response:
-        await request.read()
+    token = (
+        b'data: {"id": "cmpl-bench", "object": "text_completion", "model": "%s", "choices": [{"index": 0, "text": " ok", "finish_reason": null}]}\n\n'
+        % MODEL.encode()
+    )
+    usage = b'data: {"id": "cmpl-bench", "object": "text_completion", "model": "%s", "choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": %d, "total_tokens": %d, "prompt_tokens_details": {"cached_tokens": 0}}}\n\ndata: [DONE]\n\n' % (MODEL.encode(), stream_chunks, 100 + stream_chunks)  # fmt: skip
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
         if delay:
             await asyncio.sleep(delay)
-        return web.Response(body=body, content_type="application/json")
+        if not (stream_chunks and b'"stream": true' in raw):
+            return web.Response(body=body, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(stream_chunks):
+            await resp.write(token)
+        await resp.write(usage)
+        await resp.write_eof()
+        return resp
 
     async def ok(request: web.Request) -> web.Response:
         return web.json_response(
@@ -320,7 +336,7 @@ def make_prompts(n: int, seed: int = 0, kind: str = "text", prompt_tokens: int =
 
 
 async def closed_loop(
-    urls: list[str], prompts: list[str], concurrency: int, duration: float
+    urls: list[str], prompts: list[str], concurrency: int, duration: float, *, stream: bool = False
 ) -> dict[str, float]:
     import aiohttp
 
@@ -335,7 +351,9 @@ async def closed_loop(
             i = c
             while time.perf_counter() < stop_at:
                 url = urls[i % len(urls)]
-                body = {"model": MODEL, "prompt": prompts[i % len(prompts)], "max_tokens": 1}
+                body: dict[str, Any] = {"model": MODEL, "prompt": prompts[i % len(prompts)], "max_tokens": 1}
+                if stream:
+                    body["stream"] = True
                 start = time.perf_counter()
                 try:
                     async with session.post(f"{url}/v1/completions", json=body) as resp:
@@ -387,6 +405,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--backends", type=int, default=3)
     parser.add_argument("--backend-delay-ms", type=float, default=5.0)
+    parser.add_argument(
+        "--stream-chunks",
+        type=int,
+        default=0,
+        help="requests ask for a stream and the backends answer with this many SSE token chunks "
+        "(0: no streaming; the pass-through floors buffer the answer instead of streaming it)",
+    )
     parser.add_argument("--duration", type=float, default=8.0)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--moderate-concurrency", type=int, default=4)
@@ -423,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.serve_backend:
-        serve_backend(args.serve_backend, args.backend_delay_ms)
+        serve_backend(args.serve_backend, args.backend_delay_ms, args.stream_chunks)
         return 0
     if args.serve_passthrough:
         upstreams = args.upstreams.split(",")
@@ -449,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
                     str(port),
                     "--backend-delay-ms",
                     str(args.backend_delay_ms),
+                    "--stream-chunks",
+                    str(args.stream_chunks),
                 ]
             )
             backend_urls.append(f"http://127.0.0.1:{port}")
@@ -498,12 +525,17 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):
             for name, urls in targets.items():
                 # warm connections and caches (the tokenizer learns shared prefixes from the first prompts)
-                asyncio.run(closed_loop(urls, prompts, 4, args.warmup_s))
+                stream = args.stream_chunks > 0
+                asyncio.run(closed_loop(urls, prompts, 4, args.warmup_s, stream=stream))
                 cpu_before = cpu_seconds(pids[name]) if name in pids else 0.0
-                heavy = asyncio.run(closed_loop(urls, prompts, args.concurrency, args.duration))
+                heavy = asyncio.run(
+                    closed_loop(urls, prompts, args.concurrency, args.duration, stream=stream)
+                )
                 cpu_used = cpu_seconds(pids[name]) - cpu_before if name in pids else 0.0
                 served = heavy["rps"] * args.duration
-                moderate = asyncio.run(closed_loop(urls, prompts, args.moderate_concurrency, args.duration))
+                moderate = asyncio.run(
+                    closed_loop(urls, prompts, args.moderate_concurrency, args.duration, stream=stream)
+                )
                 rounds[name].append(
                     {"rps": heavy["rps"], "errors": heavy["errors"] + moderate["errors"],
                      "cpu_ms_per_req": 1e3 * cpu_used / served if served else float("nan"),

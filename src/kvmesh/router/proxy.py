@@ -12,6 +12,7 @@ can carry what the engine reported by then. The engines'
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
@@ -37,6 +38,26 @@ logger = logging.getLogger(__name__)
 
 _USAGE_TAIL = 16 * 1024
 """Bytes of a stream's end kept to find its usage chunk."""
+
+
+class _StreamTail:
+    """The last :data:`_USAGE_TAIL` bytes of a stream, kept as its chunks (no copy per chunk)."""
+
+    __slots__ = ("chunks", "size")
+
+    def __init__(self) -> None:
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.size = 0
+
+    def add(self, chunk: bytes) -> None:
+        chunks = self.chunks
+        chunks.append(chunk)
+        self.size += len(chunk)
+        while self.size - len(chunks[0]) >= _USAGE_TAIL:
+            self.size -= len(chunks.popleft())
+
+    def value(self) -> bytes:
+        return b"".join(self.chunks)[-_USAGE_TAIL:]
 
 
 class _UsageOnly(msgspec.Struct):
@@ -203,7 +224,7 @@ class UpstreamProxy:
             if ok and self.reporter is not None:
                 verdict = self.reporter.header_verdict(note, pod, reported)
                 stream.headers[CACHE_HEADER] = verdict.header_value()
-        tail = b""
+        tail = _StreamTail()
         try:
             await stream.prepare(request)
             if head and ok:
@@ -213,10 +234,10 @@ class UpstreamProxy:
                     self.on_first_token()
             if head:
                 await stream.write(head)
-                tail = head[-_USAGE_TAIL:]
+                tail.add(head)
             async for chunk in chunks:
                 await stream.write(chunk)
-                tail = (tail + chunk)[-_USAGE_TAIL:]
+                tail.add(chunk)
         except (UpstreamError, TimeoutError) as exc:
             self.metrics.errors.labels("upstream").inc()
             logger.warning("stream from %s broke: %s", pod, exc)
@@ -225,7 +246,7 @@ class UpstreamProxy:
             return stream
         except ConnectionResetError:
             return stream
-        usage = self._record_stream_usage(tail)
+        usage = self._record_stream_usage(tail.value())
         if note is not None and ok and self.reporter is not None:
             self.reporter.finish(note, pod, usage if usage is not None else reported)
         with contextlib.suppress(ConnectionResetError):

@@ -19,7 +19,6 @@ from kvmesh.errors import UpstreamError, UpstreamUnreachableError
 
 _PAUSE_AT = 256 * 1024
 """Bytes of an answer buffered unread before the socket stops being read (a slow client)."""
-_RESUME_AT = 64 * 1024
 
 
 class ConnectionOwner(Protocol):
@@ -78,7 +77,8 @@ class UpstreamResponse:
         return data
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
-        """The body's pieces as they arrive (chunked encoding removed).
+        """The body as it arrives (chunked encoding removed): what arrived since the last piece,
+        in one piece (a relay behind on a fast stream writes once, not once per arrival).
 
         Raises:
             UpstreamError: the answer broke before its end.
@@ -86,10 +86,12 @@ class UpstreamResponse:
         """
         while True:
             if self._chunks:
-                chunk = self._chunks.popleft()
-                self._buffered -= len(chunk)
+                chunks = self._chunks
+                chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
+                self._buffered = 0
                 conn = self._conn
-                if conn is not None and conn.paused and self._buffered <= _RESUME_AT:
+                if conn is not None and conn.paused:
                     conn.resume()
                 yield chunk
             elif self._error is not None:
