@@ -19,20 +19,23 @@ from kvmesh.router.upstream_http import Origin, UpstreamClient
 JSON = {"Content-Type": "application/json"}
 
 
-@pytest.fixture
-async def app_server() -> AsyncIterator[Callable[[web.Application], Awaitable[str]]]:
-    runners: list[web.AppRunner] = []
+def app_starter(runners: list[web.AppRunner]) -> Callable[[web.Application], Awaitable[str]]:
+    """Serves an app on an ephemeral loopback port (its runner kept in ``runners`` to clean up)."""
 
     async def start(app: web.Application) -> str:
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
         runners.append(runner)
-        port = runner.addresses[0][1]
-        return f"http://127.0.0.1:{port}"
+        return f"http://127.0.0.1:{runner.addresses[0][1]}"
 
-    yield start
+    return start
+
+
+@pytest.fixture
+async def app_server() -> AsyncIterator[Callable[[web.Application], Awaitable[str]]]:
+    runners: list[web.AppRunner] = []
+    yield app_starter(runners)
     for runner in runners:
         await runner.cleanup()
 
@@ -167,16 +170,8 @@ async def test_a_large_answer_read_whole_or_slowly_in_chunks(app_server) -> None
 def test_a_large_answer_read_whole_or_slowly_in_chunks_on_uvloop() -> None:
     async def run() -> None:
         runners: list[web.AppRunner] = []
-
-        async def start(app: web.Application) -> str:
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
-            runners.append(runner)
-            return f"http://127.0.0.1:{runner.addresses[0][1]}"
-
         try:
-            await _read_large_answers(start)
+            await _read_large_answers(app_starter(runners))
         finally:
             for runner in runners:
                 await runner.cleanup()
