@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import pytest
+from front_testing import SERVING
 from router_fakes import FakeEngine, free_port
 
 
@@ -47,3 +48,12 @@ def redis_url():
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(timeout=10)
+
+
+@pytest.fixture(params=["aiohttp", "front"])
+def both_servers(request):
+    """Runs a test with its routers on aiohttp alone and behind the router's front (opt in with
+    ``pytestmark = pytest.mark.usefixtures("both_servers")``; servers made with ``served``)."""
+    SERVING.front = request.param == "front"
+    yield request.param
+    SERVING.front = False

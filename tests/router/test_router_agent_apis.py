@@ -14,7 +14,8 @@ from typing import Any
 
 import msgspec
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
+from front_testing import served
 
 from kvmesh.core.agent_apis import PromptApi, chat_input
 from kvmesh.core.cache_usage import CACHE_HEADER
@@ -27,7 +28,7 @@ from kvmesh.router.gateway import Gateway
 from kvmesh.router.request_parser import RequestParser
 from kvmesh.router.tokenize import CachedTokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("both_servers")]
 
 SYSTEM = "You are a careful assistant who answers in one short sentence. " * 8
 WEATHER_TOOL_OPENAI = {
@@ -65,7 +66,7 @@ async def fleet(tokenizer: Tokenizer) -> AsyncIterator[tuple[EngineServer, Gatew
         ),
         tokenizer=tokenizer,
     )
-    client = TestClient(TestServer(gw.app))
+    client = TestClient(served(gw))
     await client.start_server()
     try:
         yield engine, gw, client
@@ -234,7 +235,7 @@ async def test_an_endpoint_without_the_api_gives_a_4xx_naming_it(engines):
     gw = Gateway(
         router_config_from_dict({"endpoints": [{"url": fake.url}], "flowControl": {"enabled": False}})
     )
-    client = TestClient(TestServer(gw.app))
+    client = TestClient(served(gw))
     await client.start_server()
     try:
         resp = await client.post(

@@ -9,11 +9,14 @@ from typing import Any
 
 import msgspec
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
+from front_testing import served
 from router_fakes import MODEL, FakeEngine, free_port
 
 from kvmesh.router.config import router_config_from_dict
 from kvmesh.router.gateway import ENDPOINT_HEADER, Gateway
+
+pytestmark = pytest.mark.usefixtures("both_servers")
 
 PROMPT = list(range(3000, 3000 + 16 * 10))
 
@@ -39,7 +42,7 @@ async def gateway_client(engines: list[FakeEngine], **overrides: Any):
     }
     raw.update(overrides)
     gw = Gateway(router_config_from_dict(raw), tokenizer=ByteTokenizer())
-    client = TestClient(TestServer(gw.app))
+    client = TestClient(served(gw))
     await client.start_server()
     try:
         yield gw, client

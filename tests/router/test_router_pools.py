@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
+from front_testing import served
 from router_fakes import FakeEngine
 
 from kvmesh.errors import ConfigError
@@ -23,6 +24,8 @@ from kvmesh.router.config import router_config_from_dict
 from kvmesh.router.endpoints import normalize_url
 from kvmesh.router.gateway import ENDPOINT_HEADER
 from kvmesh.router.pools import PooledRouter, pool_router_config
+
+pytestmark = pytest.mark.usefixtures("both_servers")
 
 HEALTH = {"intervalS": 0.1, "timeoutS": 1.0, "failureThreshold": 3, "metricsIntervalS": 0.1}
 
@@ -54,7 +57,7 @@ def two_pools(a: list[str], b: list[str], **extra: Any) -> dict[str, Any]:
 
 async def start(raw: dict[str, Any]) -> tuple[PooledRouter, TestClient]:
     router = PooledRouter(router_config_from_dict(raw), tokenizers={})
-    client = TestClient(TestServer(router.app))
+    client = TestClient(served(router))
     await client.start_server()
     await until(
         lambda: all(

@@ -68,6 +68,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="with --workers N: each engine's KV events are ingested by one worker, which sends the "
         "index writes to the others (cheaper to apply than the events; in-process index only)",
     )
+    p.add_argument(
+        "--aiohttp-only",
+        action="store_true",
+        help="serve every route on aiohttp (default: the completion routes on the router's own HTTP "
+        "front, cheaper per request, and the rest on aiohttp behind it)",
+    )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_cmd_router)
@@ -228,9 +234,9 @@ def _serve(
 ) -> int:
     """Build the gateway from ``args`` and serve it until SIGINT/SIGTERM."""
     import yaml
-    from aiohttp import web
 
     from kvmesh.router.gateway import Gateway
+    from kvmesh.router.pools import PooledRouter, load_pool_tokenizers
     from kvmesh.router.tokenize import PromptTokenizer
 
     logging.basicConfig(
@@ -238,18 +244,17 @@ def _serve(
     )
     try:
         config = _config_from_args(args)
-        app: web.Application
+        router: Gateway | PooledRouter
         if config.pools:
-            from kvmesh.router.pools import PooledRouter, load_pool_tokenizers
-
-            app = PooledRouter(config, tokenizers=load_pool_tokenizers(config), ingest_split=ingest_split).app
+            router = PooledRouter(config, tokenizers=load_pool_tokenizers(config), ingest_split=ingest_split)
         else:
             tokenizer: PromptTokenizer | None = None
             if config.tokenizer:
                 from kvmesh.core.tokens import Tokenizer
 
                 tokenizer = Tokenizer.load(config.tokenizer)
-            app = Gateway(config, tokenizer=tokenizer, ingest_split=ingest_split).app
+            router = Gateway(config, tokenizer=tokenizer, ingest_split=ingest_split)
+        app = router.app
         mesh = None
         if worker is not None:
             from kvmesh.router.worker_mesh import WorkerMesh
@@ -284,6 +289,8 @@ def _serve(
                 reuse_port=reuse_port,
                 drain_s=DRAIN_S if reuse_port else 0.0,
                 unix_path=None if mesh is None else mesh.socket_path,
+                front_routes=None if args.aiohttp_only else router.front_routes(),
+                max_body_bytes=config.max_body_bytes,
             )
         )
     finally:

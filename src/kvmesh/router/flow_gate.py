@@ -26,6 +26,7 @@ from aiohttp import web
 
 from kvmesh.core.tasks import cancel_and_wait
 from kvmesh.errors import RequestError, TierUnavailableError
+from kvmesh.router.client_request import ClientRequest
 from kvmesh.router.flow_control import (
     FlowControlConfig,
     FlowController,
@@ -85,7 +86,7 @@ class _Waiter:
     """A request in the gate: what the saturation test reads and how its handler is woken."""
 
     routing: RoutingRequest
-    request: web.BaseRequest | None = None
+    request: ClientRequest | None = None
     future: asyncio.Future[None] | None = None
     in_transit: bool = False
     """Let go from the queue and not yet routed."""
@@ -168,7 +169,7 @@ class FlowGate:
         tenant: str,
         priority: int,
         max_wait_s: float | None,
-        request: web.BaseRequest | None = None,
+        request: ClientRequest | None = None,
     ) -> Ticket[_Waiter]:
         """Let ``routing`` through now, after a wait in the queue, or not at all.
 
@@ -338,7 +339,7 @@ def wait_ms(ticket: Ticket[_Waiter] | None) -> str:
     return "0" if ticket is None else str(round(ticket.waited_s * 1000))
 
 
-def _client_gone(request: web.BaseRequest | None) -> bool:
+def _client_gone(request: ClientRequest | None) -> bool:
     if request is None:
         return False
     transport = request.transport

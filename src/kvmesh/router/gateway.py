@@ -46,6 +46,7 @@ from kvmesh.router.admin import AdminApi
 from kvmesh.router.agent_routes import api_error, maybe_unserved_api
 from kvmesh.router.cache_memory import RememberingIndex, prompt_texts
 from kvmesh.router.cache_report import CacheReasonCollector, CacheReporter
+from kvmesh.router.client_request import ClientRequest
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.discovery import DnsDiscovery
 from kvmesh.router.endpoints import (
@@ -58,6 +59,7 @@ from kvmesh.router.endpoints import (
 from kvmesh.router.first_miss import tokenize_until_miss, whole_prompt_needed
 from kvmesh.router.flow_control import TicketState
 from kvmesh.router.flow_gate import QUEUE_WAIT_HEADER, FlowGate, parse_flow_headers, wait_ms
+from kvmesh.router.front_http import HotHandler
 from kvmesh.router.index import BlockIndex, InMemoryIndex, InstrumentedIndex
 from kvmesh.router.ingest import EventApplier
 from kvmesh.router.ingest_split import IngestSplit, SplitIngest
@@ -72,7 +74,7 @@ from kvmesh.router.prewarm import PrewarmApi
 from kvmesh.router.proxy import UpstreamProxy
 from kvmesh.router.redis_index import RedisIndex
 from kvmesh.router.replies import error_response, json_response
-from kvmesh.router.request_parser import RequestParser
+from kvmesh.router.request_parser import ParsedRequest, RequestParser
 from kvmesh.router.scheduler import Scheduler, load_scheduler_config
 from kvmesh.router.tokenize import CachedTokenizer, PromptTokenizer
 from kvmesh.router.types import Decision, EndpointState, PrefixMatch, RoutingRequest
@@ -82,9 +84,6 @@ from kvmesh.router.write_behind import WriteBehindIndex
 
 logger = logging.getLogger(__name__)
 
-_PIN_KEY = web.RequestKey("kvmesh_pin", tuple[RoutingRequest, float])
-"""Where a request that asks for a pin keeps (routing request, TTL) for :meth:`Gateway._maybe_record_pin`."""
-
 UPSTREAM_CONNECT_TIMEOUT_S = 2.0
 """An endpoint that does not accept a connection this fast is skipped for the next ranked one."""
 
@@ -92,7 +91,7 @@ _FORWARD_HEADERS = ("authorization", TENANT_HEADER, SESSION_HEADER)
 """Client headers sent on to the endpoint (``x-request-id`` too, set by the router)."""
 
 
-def forwarded_headers(request: web.BaseRequest) -> dict[str, str]:
+def forwarded_headers(request: ClientRequest) -> dict[str, str]:
     """The headers of ``request``'s call to an endpoint: the client's that are passed on (the last
     value of a repeated one) and the JSON content type."""
     headers: dict[str, str] = {}
@@ -452,33 +451,34 @@ class Gateway:
 
     # ------------------------------------------------------------------ OpenAI routes
 
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return self._maybe_record_pin(request, await self._route(request, chat=False))
+    def front_routes(self) -> dict[str, HotHandler]:
+        """The ``POST`` routes the router's front serves itself (:mod:`kvmesh.router.front_server`)."""
+        return {
+            "/v1/completions": self._completions,
+            "/v1/chat/completions": self._chat,
+            PromptApi.RESPONSES.path: self._responses,
+            PromptApi.MESSAGES.path: self._messages,
+        }
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return self._maybe_record_pin(request, await self._route(request, chat=True))
+    async def _completions(self, request: ClientRequest) -> web.StreamResponse:
+        return await self._route(request, chat=False)
 
-    async def _responses(self, request: web.Request) -> web.StreamResponse:
+    async def _chat(self, request: ClientRequest) -> web.StreamResponse:
+        return await self._route(request, chat=True)
+
+    async def _responses(self, request: ClientRequest) -> web.StreamResponse:
         return await self.handle(request, PromptApi.RESPONSES)
 
-    async def _messages(self, request: web.Request) -> web.StreamResponse:
+    async def _messages(self, request: ClientRequest) -> web.StreamResponse:
         return await self.handle(request, PromptApi.MESSAGES)
 
-    async def handle(self, request: web.Request, api: PromptApi) -> web.StreamResponse:
+    async def handle(self, request: ClientRequest, api: PromptApi) -> web.StreamResponse:
         """Route one request of ``api`` (the entry point a pooled router dispatches to)."""
-        response = self._maybe_record_pin(request, await self._route(request, chat=api.is_chat, api=api))
+        response = await self._route(request, chat=api.is_chat, api=api)
         return maybe_unserved_api(api, response, response.headers.get(ENDPOINT_HEADER))
 
-    def _maybe_record_pin(self, request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
-        """Keep a pinned prompt's blocks in the index once an engine accepted the request."""
-        asked = request.get(_PIN_KEY)
-        if asked is not None and response.status == 200:
-            routing, ttl_s = asked
-            self.pinned.pin(self.scheduler.hasher(routing.namespace).hash_blocks(routing.tokens), ttl_s)
-        return response
-
     async def _route(
-        self, request: web.Request, *, chat: bool, api: PromptApi | None = None
+        self, request: ClientRequest, *, chat: bool, api: PromptApi | None = None
     ) -> web.StreamResponse:
         started = time.perf_counter()
         try:
@@ -500,6 +500,19 @@ class Gateway:
             if api is not None:
                 return api_error(api, exc.status, exc.message, param=exc.param)
             return error_response(exc.status, exc.message, param=exc.param)
+        response = await self._send(request, parsed, chat=chat, started=started)
+        if parsed.pin_ttl_s is not None and response.status == 200:
+            # Keep a pinned prompt's blocks in the index once an engine accepted the request.
+            routing = parsed.routing
+            self.pinned.pin(
+                self.scheduler.hasher(routing.namespace).hash_blocks(routing.tokens), parsed.pin_ttl_s
+            )
+        return response
+
+    async def _send(
+        self, request: ClientRequest, parsed: ParsedRequest, *, chat: bool, started: float
+    ) -> web.StreamResponse:
+        """Match, admit, pick and forward a parsed request."""
         routing = parsed.routing
         if self.pool is not None and (
             adapter := requested_adapter(
@@ -507,8 +520,6 @@ class Gateway:
             )
         ):
             routing.namespace = replace(routing.namespace, lora=adapter)
-        if parsed.pin_ttl_s is not None:
-            request[_PIN_KEY] = (routing, parsed.pin_ttl_s)
         if parsed.long_prompt is not None:
             routing.prefix = await tokenize_until_miss(
                 parsed.long_prompt, routing, self.scheduler, off_loop=self.index_is_remote
@@ -566,7 +577,7 @@ class Gateway:
         )
         raw = parsed.raw
         if decision.prefill is not None:
-            await prefill_leg.run(request.rel_url.raw_path, parsed.body, headers, decision.prefill)
+            await prefill_leg.run(request.path, parsed.body, headers, decision.prefill)
             raw = msgspec.json.encode(decode_body(parsed.body))
         self.metrics.prompt_tokens.inc(routing.num_tokens)
         if gate is None:

@@ -27,7 +27,9 @@ from prometheus_client.registry import Collector
 
 from kvmesh.core.agent_apis import PromptApi
 from kvmesh.router.agent_routes import api_error
+from kvmesh.router.client_request import ClientRequest
 from kvmesh.router.config import RouterConfig
+from kvmesh.router.front_http import HotHandler
 from kvmesh.router.gateway import Gateway
 from kvmesh.router.ingest_split import IngestSplit
 from kvmesh.router.lora_state import adapters_of_models, merged_models, requested_adapter
@@ -185,7 +187,11 @@ class PooledRouter:
         """Every pool's model names, in config order."""
         return [name for p in self.pools for name in p.config.served_names]
 
-    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+    def front_routes(self) -> dict[str, HotHandler]:
+        """The ``POST`` routes the router's front serves itself (:mod:`kvmesh.router.front_server`)."""
+        return {api.path: self._dispatch for api in PromptApi}
+
+    async def _dispatch(self, request: ClientRequest) -> web.StreamResponse:
         api = _API_OF_PATH.get(request.path, PromptApi.CHAT)
         try:
             raw = await request.read()

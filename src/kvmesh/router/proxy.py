@@ -27,6 +27,7 @@ from kvmesh.core.tenancy import ENDPOINT_HEADER
 from kvmesh.core.types import PodId
 from kvmesh.errors import UpstreamError, UpstreamUnreachableError
 from kvmesh.router.cache_report import CacheNote, CacheReporter
+from kvmesh.router.client_request import ClientRequest, open_stream
 from kvmesh.router.endpoints import EndpointPool
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.prefill_ledger import PrefillLedger
@@ -107,7 +108,7 @@ class UpstreamProxy:
 
     async def forward(
         self,
-        request: web.Request,
+        request: ClientRequest,
         raw: bytes,
         headers: dict[str, str],
         decision: Decision,
@@ -133,7 +134,7 @@ class UpstreamProxy:
         ledger = self.ledger
         rid = routing.request_id
         last_error = ""
-        path = request.rel_url.raw_path
+        path = request.path
         for n, pod in enumerate(decision.ranked[: self.max_attempts]):
             endpoint = pool.get(pod)
             if endpoint is None or (n > 0 and not endpoint.state.healthy):
@@ -175,7 +176,7 @@ class UpstreamProxy:
 
     async def _relay(
         self,
-        request: web.Request,
+        request: ClientRequest,
         upstream: UpstreamResponse,
         pod: PodId,
         request_id: str,
@@ -226,23 +227,23 @@ class UpstreamProxy:
                 stream.headers[CACHE_HEADER] = verdict.header_value()
         tail = _StreamTail()
         try:
-            await stream.prepare(request)
+            sink = await open_stream(request, stream)
             if head and ok:
                 # An engine streams nothing before its first token: this is the prefill's end.
                 self.ledger.first_token(request_id, time.perf_counter())
                 if self.on_first_token is not None:
                     self.on_first_token()
             if head:
-                await stream.write(head)
+                await sink.write(head)
                 tail.add(head)
             async for chunk in chunks:
-                await stream.write(chunk)
+                await sink.write(chunk)
                 tail.add(chunk)
         except (UpstreamError, TimeoutError) as exc:
             self.metrics.errors.labels("upstream").inc()
             logger.warning("stream from %s broke: %s", pod, exc)
             with contextlib.suppress(ConnectionResetError):
-                await stream.write(b'data: {"error": {"message": "upstream endpoint failed mid-stream"}}\n\n')
+                await sink.write(b'data: {"error": {"message": "upstream endpoint failed mid-stream"}}\n\n')
             return stream
         except ConnectionResetError:
             return stream
@@ -250,7 +251,7 @@ class UpstreamProxy:
         if note is not None and ok and self.reporter is not None:
             self.reporter.finish(note, pod, usage if usage is not None else reported)
         with contextlib.suppress(ConnectionResetError):
-            await stream.write_eof()
+            await sink.write_eof()
         return stream
 
     def _record_usage(self, data: bytes) -> CacheUsage | None:

@@ -1,0 +1,394 @@
+"""One client connection to the router's front: HTTP/1.1 parsed by llhttp, answers written back.
+
+aiohttp's server costs about 0.13 ms of CPU per request more than an asyncio protocol does
+(docs/benchmarks/router.md, "The router's own client to the endpoints, and the Python floor"), a
+fifth of what the router spends on a short request. The front (:mod:`kvmesh.router.front_server`)
+therefore serves the completion routes itself: :class:`FrontConnection` parses each request with
+llhttp (``httptools``), hands a :class:`FrontRequest` to the gateway's handler and writes the
+``web.Response`` it returns (or the stream it opened, chunk by chunk). Every other request is
+passed to the server's relay, which sends it on to the aiohttp app unchanged.
+
+Requests on one connection are answered in order (pipelined ones wait their turn). A body larger
+than the limit is a 413 and the connection closes; a malformed request is a 400 and the connection
+closes; ``Expect: 100-continue`` is answered before the body is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import email.utils
+import http
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol
+
+import httptools
+import msgspec
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kvmesh.router.client_request import StreamSink
+
+logger = logging.getLogger(__name__)
+
+MAX_HEAD_BYTES = 64 * 1024
+"""Longest request line and headers together (a longer head is a 431)."""
+_HOP_BY_HOP = frozenset(("connection", "content-length", "transfer-encoding", "keep-alive"))
+"""Headers of a handler's answer the front writes itself."""
+
+HotHandler = Callable[["FrontRequest"], Awaitable[web.StreamResponse]]
+
+
+class Relay(Protocol):
+    """Where requests for routes the front does not serve go."""
+
+    async def relay(self, request: FrontRequest, conn: FrontConnection) -> None:
+        """Answer ``request`` on ``conn`` (through :meth:`FrontConnection.write_head` and writes)."""
+
+
+class FrontRequest:
+    """A client's request to the front (see :class:`kvmesh.router.client_request.ClientRequest`)."""
+
+    __slots__ = ("_conn", "body", "headers", "keep_alive", "method", "path", "query", "streamed")
+
+    def __init__(
+        self,
+        conn: FrontConnection,
+        method: str,
+        target: str,
+        headers: CIMultiDict[str],
+        body: bytes,
+        keep_alive: bool,
+    ) -> None:
+        self._conn = conn
+        self.method = method
+        self.path, _, self.query = target.partition("?")
+        self.headers = headers
+        self.body = body
+        self.keep_alive = keep_alive
+        self.streamed: FrontStream | None = None
+        """The stream a handler opened (its answer was sent as it went)."""
+
+    @property
+    def transport(self) -> asyncio.BaseTransport | None:
+        return self._conn.transport
+
+    @property
+    def target(self) -> str:
+        """The path with its query, as the client sent it."""
+        return f"{self.path}?{self.query}" if self.query else self.path
+
+    async def read(self) -> bytes:
+        return self.body
+
+    async def open_stream(self, response: web.StreamResponse) -> StreamSink:
+        head = self._conn.head(response.status, response.reason, response.headers, None, self.keep_alive)
+        self._conn.write(head)
+        self.streamed = FrontStream(self._conn)
+        return self.streamed
+
+
+class FrontStream:
+    """A streamed answer's body, sent with chunked transfer encoding."""
+
+    __slots__ = ("_conn", "ended")
+
+    def __init__(self, conn: FrontConnection) -> None:
+        self._conn = conn
+        self.ended = False
+
+    async def write(self, data: bytes) -> None:
+        conn = self._conn
+        if conn.closed:
+            raise ConnectionResetError("the client closed the connection")
+        if data:
+            conn.write(b"%x\r\n%b\r\n" % (len(data), data))
+            if conn.writing_paused:
+                await conn.drained()
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if self.ended:
+            return
+        if data:
+            await self.write(data)
+        self.ended = True
+        if not self._conn.closed:
+            self._conn.write(b"0\r\n\r\n")
+
+
+class _DateHeader:
+    """``Date: …`` for answers, formatted once a second."""
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._line = b""
+
+    def line(self) -> bytes:
+        now = int(time.time())
+        if now != self._second:
+            self._second = now
+            self._line = f"Date: {email.utils.formatdate(now, usegmt=True)}\r\n".encode("latin-1")
+        return self._line
+
+
+DATE = _DateHeader()
+
+
+class FrontConnection(asyncio.Protocol):
+    """One client connection (see the module docstring).
+
+    Args:
+        routes: handlers by path of the ``POST`` routes served here.
+        relay: answers every other request.
+        max_body_bytes: largest request body.
+        on_close: called with this connection once it closed.
+    """
+
+    def __init__(
+        self,
+        routes: Mapping[str, HotHandler],
+        relay: Relay,
+        *,
+        max_body_bytes: int,
+        on_open: Callable[[FrontConnection], None],
+        on_close: Callable[[FrontConnection], None],
+    ) -> None:
+        self.routes = routes
+        self.relay = relay
+        self.max_body_bytes = max_body_bytes
+        self._on_open = on_open
+        self._on_close = on_close
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.draining = False
+        """Set by the server: every answer from now on closes its connection."""
+        self.writing_paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._parser = httptools.HttpRequestParser(self)
+        self._target = bytearray()
+        self._headers: CIMultiDict[str] = CIMultiDict()
+        self._head_bytes = 0
+        self._body: list[bytes] = []
+        self._body_bytes = 0
+        self._in_message = False
+        self._queue: collections.deque[FrontRequest] = collections.deque()
+        self._task: asyncio.Task[None] | None = None
+        self._refused = False
+        self.last_active = time.monotonic()
+
+    @property
+    def busy(self) -> bool:
+        """A request is being received, waits, or is being answered."""
+        return self._in_message or self._task is not None
+
+    # ------------------------------------------------------------------ asyncio
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # a stream transport
+        self._on_open(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._wake_writers()
+        self._on_close(self)
+
+    def pause_writing(self) -> None:
+        self.writing_paused = True
+
+    def resume_writing(self) -> None:
+        self.writing_paused = False
+        self._wake_writers()
+
+    def data_received(self, data: bytes) -> None:
+        self.last_active = time.monotonic()
+        if self._refused:
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._refuse(400, "protocol upgrades are not served here")
+        except httptools.HttpParserError as exc:
+            if not self._refused:
+                self._refuse(400, f"malformed HTTP request: {exc}")
+
+    # ------------------------------------------------------------------ llhttp callbacks
+
+    def on_message_begin(self) -> None:
+        self._in_message = True
+        self._target.clear()
+        self._headers = CIMultiDict()
+        self._head_bytes = 0
+        self._body = []
+        self._body_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._target += url
+        self._head_bytes += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value)
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._refuse(431, f"request line and headers longer than {MAX_HEAD_BYTES} bytes")
+            raise httptools.HttpParserError("head too long")
+        self._headers.add(name.decode("latin-1"), value.decode("latin-1"))
+
+    def on_headers_complete(self) -> None:
+        length = self._headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            self._refuse(413, f"request body larger than {self.max_body_bytes} bytes")
+            raise httptools.HttpParserError("body too large")
+        if self._headers.get("expect", "").lower() == "100-continue" and self._task is None:
+            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        if self._body_bytes > self.max_body_bytes:
+            self._refuse(413, f"request body larger than {self.max_body_bytes} bytes")
+            raise httptools.HttpParserError("body too large")
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        self._in_message = False
+        parser = self._parser
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        request = FrontRequest(
+            self,
+            parser.get_method().decode("latin-1"),
+            self._target.decode("latin-1"),
+            self._headers,
+            body,
+            parser.should_keep_alive(),
+        )
+        self._queue.append(request)
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._answer_queued())
+        elif len(self._queue) > 8 and self.transport is not None:
+            self.transport.pause_reading()  # a client pipelining far ahead waits for its answers
+
+    # ------------------------------------------------------------------ answering
+
+    async def _answer_queued(self) -> None:
+        try:
+            while self._queue and not self.closed:
+                request = self._queue.popleft()
+                if not request.keep_alive or self.draining:
+                    request.keep_alive = False
+                await self._answer(request)
+                if not request.keep_alive:
+                    self.close()
+                    return
+                if self.transport is not None and len(self._queue) <= 8:
+                    self.transport.resume_reading()
+        finally:
+            self._task = None
+            self.last_active = time.monotonic()
+
+    async def _answer(self, request: FrontRequest) -> None:
+        handler = self.routes.get(request.path) if request.method == "POST" else None
+        if handler is None:
+            await self.relay.relay(request, self)
+            return
+        try:
+            response = await handler(request)
+        except Exception:
+            logger.exception("unhandled error answering %s %s", request.method, request.path)
+            if request.streamed is None:
+                self.write_json(request, 500, "internal error in the router", "server_error")
+            else:
+                request.keep_alive = False
+            return
+        stream = request.streamed
+        if stream is not None:
+            await stream.write_eof()
+            return
+        body = response.body if isinstance(response, web.Response) else b""
+        if not isinstance(body, bytes | bytearray):
+            logger.error("a handler answered %s with a body of type %s", request.path, type(body).__name__)
+            self.write_json(request, 500, "internal error in the router", "server_error")
+            return
+        self.write(
+            self.head(response.status, response.reason, response.headers, len(body), request.keep_alive)
+            + body
+        )
+
+    def write_json(self, request: FrontRequest, status: int, message: str, kind: str) -> None:
+        """Answer ``request`` with an OpenAI-style error."""
+        body = msgspec.json.encode(
+            {"error": {"message": message, "type": kind, "param": None, "code": status}}
+        )
+        headers = {"Content-Type": "application/json"}
+        self.write(self.head(status, None, headers, len(body), request.keep_alive) + body)
+
+    def head(
+        self,
+        status: int,
+        reason: str | None,
+        headers: Mapping[str, str],
+        length: int | None,
+        keep_alive: bool,
+    ) -> bytes:
+        """The status line and headers of an answer (``length`` ``None``: a chunked body)."""
+        if reason is None:
+            try:
+                reason = http.HTTPStatus(status).phrase
+            except ValueError:
+                reason = ""
+        lines = [f"HTTP/1.1 {status} {reason}\r\n"]
+        lines.extend(f"{k}: {v}\r\n" for k, v in headers.items() if k.lower() not in _HOP_BY_HOP)
+        lines.append("Transfer-Encoding: chunked\r\n" if length is None else f"Content-Length: {length}\r\n")
+        if not keep_alive or self.draining:
+            lines.append("Connection: close\r\n")
+        return "".join(lines).encode("latin-1") + DATE.line() + b"\r\n"
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    async def drained(self) -> None:
+        """Return once the transport takes writes again (or the connection closed)."""
+        if not self.writing_paused or self.closed:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._drain_waiters.append(waiter)
+        await waiter
+
+    def _wake_writers(self) -> None:
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` once the requests before are answered, then close."""
+        if self._refused:
+            return
+        self._refused = True
+        body = msgspec.json.encode(
+            {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": status}}
+        )
+        answer = self.head(status, None, {"Content-Type": "application/json"}, len(body), False) + body
+        if self._task is None:
+            self.write(answer)
+            self.close()
+            return
+
+        async def after_queued(task: asyncio.Task[None]) -> None:
+            await task
+            self.write(answer)
+            self.close()
+
+        self._queue.clear()
+        asyncio.get_running_loop().create_task(after_queued(self._task))
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.close()
+
+    def close_if_idle(self) -> bool:
+        """Close the connection unless a request is under way; whether it was closed."""
+        if self.busy:
+            return False
+        self.close()
+        return True
