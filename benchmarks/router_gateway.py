@@ -425,6 +425,11 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated worker counts: one kvmesh target per count (kvmesh router --workers N)",
     )
     parser.add_argument(
+        "--kvmesh-aiohttp-only",
+        action="store_true",
+        help="also run each kvmesh target with --aiohttp-only (every route on aiohttp, no front)",
+    )
+    parser.add_argument(
         "--kvmesh-thread-min-chars",
         type=int,
         default=None,
@@ -492,18 +497,21 @@ def main(argv: list[str] | None = None) -> int:
             cfg.write_text(f"tokenizeThreadMinChars: {args.kvmesh_thread_min_chars}\n")
             temp_files.append(cfg)
             kv_extra = ["--config", str(cfg)]
+        variants = [("", [])] + ([(", aiohttp only", ["--aiohttp-only"])] if args.kvmesh_aiohttp_only else [])
         for num_workers in (int(n) for n in args.kvmesh_workers.split(",")):
-            kv_port = free_port()
-            kv_proc = procs.start(
-                [sys.executable, "-m", "kvmesh", "router", "--endpoints", ",".join(backend_urls), "--policy",
-                 args.kvmesh_policy, "--port", str(kv_port), "--model", MODEL, "--tokenizer", "smollm2",
-                 "--log-level", "warning", "--workers", str(num_workers), *kv_extra],
-                env=env,
-            )  # fmt: skip
-            wait_http(f"http://127.0.0.1:{kv_port}/health", 120)
-            name = f"kvmesh ({args.kvmesh_policy}, {num_workers} worker{'s' if num_workers > 1 else ''})"
-            targets[name] = [f"http://127.0.0.1:{kv_port}"]
-            pids[name] = kv_proc.pid
+            for suffix, variant_args in variants:
+                kv_port = free_port()
+                kv_proc = procs.start(
+                    [sys.executable, "-m", "kvmesh", "router", "--endpoints", ",".join(backend_urls), "--policy",
+                     args.kvmesh_policy, "--port", str(kv_port), "--model", MODEL, "--tokenizer", "smollm2",
+                     "--log-level", "warning", "--workers", str(num_workers), *kv_extra, *variant_args],
+                    env=env,
+                )  # fmt: skip
+                wait_http(f"http://127.0.0.1:{kv_port}/health", 120)
+                workers = f"{num_workers} worker{'s' if num_workers > 1 else ''}"
+                name = f"kvmesh ({args.kvmesh_policy}, {workers}{suffix})"
+                targets[name] = [f"http://127.0.0.1:{kv_port}"]
+                pids[name] = kv_proc.pid
         if args.passthrough:
             for label, (url, pid) in start_passthroughs(procs, backend_urls).items():
                 targets[label] = [url]

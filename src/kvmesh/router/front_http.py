@@ -168,6 +168,7 @@ class FrontConnection(asyncio.Protocol):
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._parser = httptools.HttpRequestParser(self)
         self._target = bytearray()
+        self._raw_headers: list[tuple[bytes, bytes]] = []
         self._headers: CIMultiDict[str] = CIMultiDict()
         self._head_bytes = 0
         self._body: list[bytes] = []
@@ -218,7 +219,7 @@ class FrontConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._in_message = True
         self._target.clear()
-        self._headers = CIMultiDict()
+        self._raw_headers = []
         self._head_bytes = 0
         self._body = []
         self._body_bytes = 0
@@ -232,9 +233,11 @@ class FrontConnection(asyncio.Protocol):
         if self._head_bytes > MAX_HEAD_BYTES:
             self._refuse(431, f"request line and headers longer than {MAX_HEAD_BYTES} bytes")
             raise httptools.HttpParserError("head too long")
-        self._headers.add(name.decode("latin-1"), value.decode("latin-1"))
+        self._raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        # one multidict built from all the pairs (in C) instead of one add per header
+        self._headers = CIMultiDict([(n.decode("latin-1"), v.decode("latin-1")) for n, v in self._raw_headers])
         length = self._headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             self._refuse(413, f"request body larger than {self.max_body_bytes} bytes")
