@@ -15,7 +15,7 @@ from front_testing import FrontTestServer
 
 from kvmesh.router import front_server
 from kvmesh.router.client_request import ClientRequest, open_stream
-from kvmesh.router.front_http import MAX_HEAD_BYTES
+from kvmesh.router.front_http import MAX_LINE_BYTES
 
 MAX_BODY = 4096
 
@@ -152,6 +152,12 @@ async def test_a_connection_is_kept_alive_and_streams_are_chunked(client: TestCl
         assert len(front.connections) == 1
 
 
+async def test_an_absolute_form_target_is_served_by_its_path(client: TestClient) -> None:
+    data = post("http://router.example/echo?x=1", b"abs", "Connection: close\r\n")
+    out = await raw_exchange(client.port, data)  # type: ignore[arg-type]
+    assert out.startswith(b"HTTP/1.1 200 OK") and b'"path": "/echo"' in out and b'"body": "abs"' in out
+
+
 async def test_pipelined_requests_are_answered_in_order(client: TestClient) -> None:
     data = post("/slow", b"{}") + post("/echo", b"second", "Connection: close\r\n")
     out = await raw_exchange(client.port, data)  # type: ignore[arg-type]
@@ -187,10 +193,25 @@ async def test_chunked_request_bodies_and_expect_continue(client: TestClient) ->
             + b"\r\n1\r\nx\r\n0\r\n\r\n",
             413,
         ),
-        (b"GET /info HTTP/1.1\r\nX-Long: " + b"a" * (MAX_HEAD_BYTES + 1) + b"\r\n\r\n", 431),
+        (b"GET /info HTTP/1.1\r\nX-Long: " + b"a" * (MAX_LINE_BYTES + 1) + b"\r\n\r\n", 431),
+        (
+            b"GET /info HTTP/1.1\r\n"
+            + b"".join(b"X-%d: %b\r\n" % (i, b"a" * 8000) for i in range(9))
+            + b"\r\n",
+            431,
+        ),
+        (b"GET /" + b"a" * (MAX_LINE_BYTES + 1) + b" HTTP/1.1\r\n\r\n", 414),
         (b"GET /chat HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n", 400),
     ],
-    ids=["malformed", "too-large", "too-large-chunked", "head-too-long", "upgrade"],
+    ids=[
+        "malformed",
+        "too-large",
+        "too-large-chunked",
+        "header-too-long",
+        "head-too-long",
+        "target-too-long",
+        "upgrade",
+    ],
 )
 async def test_bad_requests_get_a_clear_4xx_and_the_connection_closes(
     client: TestClient, data: bytes, status: int

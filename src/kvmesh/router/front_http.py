@@ -21,6 +21,7 @@ import email.utils
 import http
 import logging
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
@@ -33,6 +34,8 @@ from kvmesh.router.client_request import StreamSink
 
 logger = logging.getLogger(__name__)
 
+MAX_LINE_BYTES = 8190
+"""Longest request target, and longest header (name and value), as aiohttp's server allows: 414, 431."""
 MAX_HEAD_BYTES = 64 * 1024
 """Longest request line and headers together (a longer head is a 431)."""
 _HOP_BY_HOP = frozenset(("connection", "content-length", "transfer-encoding", "keep-alive"))
@@ -64,7 +67,11 @@ class FrontRequest:
     ) -> None:
         self._conn = conn
         self.method = method
-        self.path, _, self.query = target.partition("?")
+        if target.startswith("/"):
+            self.path, _, self.query = target.partition("?")
+        else:  # absolute form (a client talking to a proxy), or "*"
+            parts = urllib.parse.urlsplit(target)
+            self.path, self.query = parts.path or target, parts.query
         self.headers = headers
         self.body = body
         self.keep_alive = keep_alive
@@ -227,9 +234,16 @@ class FrontConnection(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self._target += url
         self._head_bytes += len(url)
+        if len(self._target) > MAX_LINE_BYTES:
+            self._refuse(414, f"request target longer than {MAX_LINE_BYTES} bytes")
+            raise httptools.HttpParserError("target too long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._head_bytes += len(name) + len(value)
+        size = len(name) + len(value)
+        if size > MAX_LINE_BYTES:
+            self._refuse(431, f"header {name[:64].decode('latin-1')!r} longer than {MAX_LINE_BYTES} bytes")
+            raise httptools.HttpParserError("header too long")
+        self._head_bytes += size
         if self._head_bytes > MAX_HEAD_BYTES:
             self._refuse(431, f"request line and headers longer than {MAX_HEAD_BYTES} bytes")
             raise httptools.HttpParserError("head too long")
@@ -237,7 +251,9 @@ class FrontConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         # one multidict built from all the pairs (in C) instead of one add per header
-        self._headers = CIMultiDict([(n.decode("latin-1"), v.decode("latin-1")) for n, v in self._raw_headers])
+        self._headers = CIMultiDict(
+            [(n.decode("latin-1"), v.decode("latin-1")) for n, v in self._raw_headers]
+        )
         length = self._headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             self._refuse(413, f"request body larger than {self.max_body_bytes} bytes")
