@@ -165,6 +165,19 @@ async def test_pipelined_requests_are_answered_in_order(client: TestClient) -> N
     assert b'{"waited": true}' in first and b'"body": "second"' in second and b"Connection: close" in second
 
 
+async def test_a_client_pipelining_far_ahead_gets_every_answer_in_order(client: TestClient) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+    writer.write(b"".join(post("/echo", b"n%d" % i) for i in range(19)))  # reading pauses past 8 queued
+    out = b""
+    while out.count(b"HTTP/1.1 200 OK") < 19 or not out.endswith(b"}"):
+        out += await asyncio.wait_for(reader.read(65536), 5)
+    writer.write(post("/echo", b"n19", "Connection: close\r\n"))  # read once the queue is drained
+    out += await asyncio.wait_for(reader.read(-1), 5)
+    writer.close()
+    bodies = [part.split(b'"body": "')[1].split(b'"')[0] for part in out.split(b"HTTP/1.1 200 OK")[1:]]
+    assert bodies == [b"n%d" % i for i in range(20)]
+
+
 async def test_chunked_request_bodies_and_expect_continue(client: TestClient) -> None:
     chunked = (
         b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
@@ -270,6 +283,11 @@ async def test_idle_connections_are_closed_after_the_keepalive(client: TestClien
         assert len(front.connections) == 1
         assert await asyncio.wait_for(reader.read(-1), 5) == b""  # closed by the front
         assert not front.connections
+        writer.close()
+        # a request that stops halfway is dropped after the same time
+        reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+        writer.write(b"POST /echo HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc")
+        assert await asyncio.wait_for(reader.read(-1), 5) == b""
         writer.close()
     finally:
         await front.aclose(1.0)

@@ -184,6 +184,7 @@ class FrontConnection(asyncio.Protocol):
         self._queue: collections.deque[FrontRequest] = collections.deque()
         self._task: asyncio.Task[None] | None = None
         self._refused = False
+        self._reading_paused = False
         self.last_active = time.monotonic()
 
     @property
@@ -283,7 +284,8 @@ class FrontConnection(asyncio.Protocol):
         self._queue.append(request)
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._answer_queued())
-        elif len(self._queue) > 8 and self.transport is not None:
+        elif len(self._queue) > 8 and self.transport is not None and not self._reading_paused:
+            self._reading_paused = True
             self.transport.pause_reading()  # a client pipelining far ahead waits for its answers
 
     # ------------------------------------------------------------------ answering
@@ -298,7 +300,8 @@ class FrontConnection(asyncio.Protocol):
                 if not request.keep_alive:
                     self.close()
                     return
-                if self.transport is not None and len(self._queue) <= 8:
+                if self._reading_paused and len(self._queue) <= 8 and self.transport is not None:
+                    self._reading_paused = False
                     self.transport.resume_reading()
         finally:
             self._task = None
@@ -405,9 +408,10 @@ class FrontConnection(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             self.transport.close()
 
-    def close_if_idle(self) -> bool:
-        """Close the connection unless a request is under way; whether it was closed."""
-        if self.busy:
+    def close_if_idle(self, *, partial_too: bool = False) -> bool:
+        """Close the connection unless a request is being answered or (unless ``partial_too``:
+        one that sent nothing for the keep-alive time) being received; whether it was closed."""
+        if self._task is not None or (self._in_message and not partial_too):
             return False
         self.close()
         return True

@@ -162,7 +162,7 @@ class FrontServer:
             await asyncio.sleep(SWEEP_S)
             idle_since = time.monotonic() - self.keepalive_s
             for conn in [c for c in self.connections if c.last_active < idle_since]:
-                conn.close_if_idle()
+                conn.close_if_idle(partial_too=True)  # a request that stalled that long is dropped too
 
     def stop_listening(self) -> None:
         """New connections are refused (those open are served on)."""
