@@ -18,7 +18,10 @@ prompt tokens, and why the rest missed: :mod:`kvmesh.router.cache_report`).
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` and
 ``POST /v1/messages`` (:mod:`kvmesh.core.agent_apis`), ``GET /v1/models``,
 ``GET /health``, ``GET /metrics``, ``POST /v1/kvmesh/prewarm`` (:mod:`kvmesh.router.prewarm`) and
-the admin API (:mod:`kvmesh.router.admin`).
+the admin API (:mod:`kvmesh.router.admin`). ``kvmesh router`` answers the four completion routes
+on its own HTTP front (:meth:`Gateway.front_routes`, :mod:`kvmesh.router.front_server`) and the rest
+on this app behind it; their handlers read the request through
+:class:`~kvmesh.router.client_request.ClientRequest`, which both servers' requests satisfy.
 """
 
 from __future__ import annotations
