@@ -199,3 +199,22 @@ async def test_an_adapter_goes_to_the_pool_whose_endpoints_list_it(engines):
     finally:
         await client.close()
         await lora.stop()
+
+
+async def test_a_pools_prefixed_route_reaches_the_engines_own_route(engines):
+    a1, b1 = await engines(2)
+    _router, client = await start(two_pools([a1.url], [b1.url]))
+    try:
+        resp = await client.post(
+            "/pools/small/v1/completions", json={"model": "small-model", "prompt": [1, 2]}
+        )
+        assert resp.status == 200, await resp.text()
+        assert resp.headers[ENDPOINT_HEADER] == normalize_url(a1.url) and len(a1.received) == 1
+        resp = await client.post(
+            "/pools/big/v1/chat/completions",
+            json={"model": "big-model", "messages": [{"role": "user", "content": "x"}]},
+        )
+        assert resp.status == 200, await resp.text()
+        assert len(b1.received) == 1
+    finally:
+        await client.close()

@@ -464,10 +464,10 @@ class Gateway:
         }
 
     async def _completions(self, request: ClientRequest) -> web.StreamResponse:
-        return await self._route(request, chat=False)
+        return await self._route(request, chat=False, path=PromptApi.COMPLETIONS.path)
 
     async def _chat(self, request: ClientRequest) -> web.StreamResponse:
-        return await self._route(request, chat=True)
+        return await self._route(request, chat=True, path=PromptApi.CHAT.path)
 
     async def _responses(self, request: ClientRequest) -> web.StreamResponse:
         return await self.handle(request, PromptApi.RESPONSES)
@@ -477,12 +477,14 @@ class Gateway:
 
     async def handle(self, request: ClientRequest, api: PromptApi) -> web.StreamResponse:
         """Route one request of ``api`` (the entry point a pooled router dispatches to)."""
-        response = await self._route(request, chat=api.is_chat, api=api)
+        response = await self._route(request, chat=api.is_chat, api=api, path=api.path)
         return maybe_unserved_api(api, response, response.headers.get(ENDPOINT_HEADER))
 
     async def _route(
-        self, request: ClientRequest, *, chat: bool, api: PromptApi | None = None
+        self, request: ClientRequest, *, chat: bool, path: str, api: PromptApi | None = None
     ) -> web.StreamResponse:
+        """Parse, route and forward ``request`` to the endpoints' ``path`` (the route's own, also
+        when the client reached it under a pool's ``/pools/<name>`` prefix)."""
         started = time.perf_counter()
         try:
             raw = await request.read()
@@ -503,7 +505,7 @@ class Gateway:
             if api is not None:
                 return api_error(api, exc.status, exc.message, param=exc.param)
             return error_response(exc.status, exc.message, param=exc.param)
-        response = await self._send(request, parsed, chat=chat, started=started)
+        response = await self._send(request, parsed, chat=chat, path=path, started=started)
         if parsed.pin_ttl_s is not None and response.status == 200:
             # Keep a pinned prompt's blocks in the index once an engine accepted the request.
             routing = parsed.routing
@@ -513,7 +515,7 @@ class Gateway:
         return response
 
     async def _send(
-        self, request: ClientRequest, parsed: ParsedRequest, *, chat: bool, started: float
+        self, request: ClientRequest, parsed: ParsedRequest, *, chat: bool, path: str, started: float
     ) -> web.StreamResponse:
         """Match, admit, pick and forward a parsed request."""
         routing = parsed.routing
@@ -580,13 +582,13 @@ class Gateway:
         )
         raw = parsed.raw
         if decision.prefill is not None:
-            await prefill_leg.run(request.path, parsed.body, headers, decision.prefill)
+            await prefill_leg.run(path, parsed.body, headers, decision.prefill)
             raw = msgspec.json.encode(decode_body(parsed.body))
         self.metrics.prompt_tokens.inc(routing.num_tokens)
         if gate is None:
-            return await proxy.forward(request, raw, headers, decision, routing, note=note)
+            return await proxy.forward(request, raw, headers, decision, routing, note=note, path=path)
         try:
-            return await proxy.forward(request, raw, headers, decision, routing, extra, note=note)
+            return await proxy.forward(request, raw, headers, decision, routing, extra, note=note, path=path)
         finally:
             gate.wake()
 

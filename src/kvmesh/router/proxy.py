@@ -115,17 +115,20 @@ class UpstreamProxy:
         routing: RoutingRequest,
         response_headers: Mapping[str, str] | None = None,
         note: CacheNote | None = None,
+        *,
+        path: str | None = None,
     ) -> web.StreamResponse:
         """Send ``raw`` to ``decision.ranked[0]`` (then the next on connect failures) and relay the answer.
 
         Args:
-            request: the client's request (its path is the upstream route; streams are prepared on it).
+            request: the client's request (streams are opened on it).
             raw: the body to send.
             headers: the headers to send.
             decision: the scheduler's decision.
             routing: the routed request (its id and predicted hits feed the prefill ledger).
             response_headers: added to the answer relayed from the endpoint.
             note: the request's cache note (settled with the engine's figures).
+            path: the endpoints' route to post to (``None``: the client's request path).
 
         Returns:
             The relayed answer, or a 502 when no endpoint could be reached.
@@ -134,7 +137,8 @@ class UpstreamProxy:
         ledger = self.ledger
         rid = routing.request_id
         last_error = ""
-        path = request.path
+        if path is None:
+            path = request.path
         for n, pod in enumerate(decision.ranked[: self.max_attempts]):
             endpoint = pool.get(pod)
             if endpoint is None or (n > 0 and not endpoint.state.healthy):
