@@ -150,6 +150,7 @@ class FrontConnection(asyncio.Protocol):
         routes: handlers by path of the ``POST`` routes served here.
         relay: answers every other request.
         max_body_bytes: largest request body.
+        on_open: called with this connection once it opened.
         on_close: called with this connection once it closed.
     """
 
@@ -186,11 +187,6 @@ class FrontConnection(asyncio.Protocol):
         self._refused = False
         self._reading_paused = False
         self.last_active = time.monotonic()
-
-    @property
-    def busy(self) -> bool:
-        """A request is being received, waits, or is being answered."""
-        return self._in_message or self._task is not None
 
     # ------------------------------------------------------------------ asyncio
 
@@ -337,11 +333,13 @@ class FrontConnection(asyncio.Protocol):
 
     def write_json(self, request: FrontRequest, status: int, message: str, kind: str) -> None:
         """Answer ``request`` with an OpenAI-style error."""
+        self.write(self._error_answer(status, message, kind, request.keep_alive))
+
+    def _error_answer(self, status: int, message: str, kind: str, keep_alive: bool) -> bytes:
         body = msgspec.json.encode(
             {"error": {"message": message, "type": kind, "param": None, "code": status}}
         )
-        headers = {"Content-Type": "application/json"}
-        self.write(self.head(status, None, headers, len(body), request.keep_alive) + body)
+        return self.head(status, None, {"Content-Type": "application/json"}, len(body), keep_alive) + body
 
     def head(
         self,
@@ -387,10 +385,7 @@ class FrontConnection(asyncio.Protocol):
         if self._refused:
             return
         self._refused = True
-        body = msgspec.json.encode(
-            {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": status}}
-        )
-        answer = self.head(status, None, {"Content-Type": "application/json"}, len(body), False) + body
+        answer = self._error_answer(status, message, "invalid_request_error", False)
         if self._task is None:
             self.write(answer)
             self.close()
