@@ -50,7 +50,9 @@ def tokenizer() -> Tokenizer:
 
 
 @contextlib.asynccontextmanager
-async def fleet(tokenizer: Tokenizer) -> AsyncIterator[tuple[EngineServer, Gateway, TestClient]]:
+async def fleet(
+    tokenizer: Tokenizer, **config: Any
+) -> AsyncIterator[tuple[EngineServer, Gateway, TestClient]]:
     opts = EngineOptions(
         model="smollm2",
         emulate="tiny-h100",
@@ -62,7 +64,12 @@ async def fleet(tokenizer: Tokenizer) -> AsyncIterator[tuple[EngineServer, Gatew
     await engine.start("127.0.0.1", 0)
     gw = Gateway(
         router_config_from_dict(
-            {"endpoints": [{"url": engine.url}], "flowControl": {"enabled": False}, "tokenizer": "smollm2"}
+            {
+                "endpoints": [{"url": engine.url}],
+                "flowControl": {"enabled": False},
+                "tokenizer": "smollm2",
+                **config,
+            }
         ),
         tokenizer=tokenizer,
     )
@@ -220,7 +227,13 @@ async def test_streams_pass_through_in_each_apis_events(tokenizer: Tokenizer):
 
 
 async def test_malformed_agent_bodies_are_4xx_in_the_apis_shape(tokenizer: Tokenizer):
-    async with fleet(tokenizer) as (_, _gw, client):
+    async with fleet(tokenizer, maxBodyBytes=4096) as (_, _gw, client):
+        resp = await client.post(
+            "/v1/messages", data=b"x" * 5000, headers={"Content-Type": "application/json"}
+        )
+        body = await resp.json()
+        assert resp.status == 413
+        assert body["type"] == "error" and body["error"]["type"] == "request_too_large"
         resp = await client.post("/v1/messages", json={"model": "smollm2", "messages": []})
         body = await resp.json()
         assert resp.status == 400

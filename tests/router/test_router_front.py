@@ -53,7 +53,13 @@ async def wait_then_answer(request: ClientRequest) -> web.StreamResponse:
     return web.json_response({"waited": True})
 
 
-ROUTES = {"/echo": echo, "/stream": stream, "/broken": broken, "/slow": wait_then_answer}
+ROUTES = {
+    "/echo": echo,
+    "/stream": stream,
+    "/broken": broken,
+    "/slow": wait_then_answer,
+    "/v1/messages": broken,
+}
 
 
 def behind_app() -> web.Application:
@@ -234,6 +240,26 @@ async def test_bad_requests_get_a_clear_4xx_and_the_connection_closes(
     assert b"Connection: close" in out
     body = msgspec.json.decode(out.split(b"\r\n\r\n", 1)[1])
     assert body["error"]["code"] == status and body["error"]["message"]
+
+
+async def test_errors_on_the_messages_route_come_in_anthropics_shape(client: TestClient) -> None:
+    chunked_too_large = (
+        b"POST /v1/messages?beta=true HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"1000\r\n"
+        + b"x" * 4096
+        + b"\r\n1\r\nx\r\n0\r\n\r\n"
+    )
+    for data, status, kind in (
+        (post("/v1/messages", b"x" * (MAX_BODY + 1)), 413, "request_too_large"),
+        (chunked_too_large, 413, "request_too_large"),
+        (post("/v1/messages", b"{}", "Connection: close\r\n"), 500, "api_error"),
+    ):
+        out = await raw_exchange(client.port, data)  # type: ignore[arg-type]
+        assert out.startswith(f"HTTP/1.1 {status} ".encode()), out[:80]
+        body = msgspec.json.decode(out.split(b"\r\n\r\n", 1)[1])
+        assert body["type"] == "error" and body["error"]["type"] == kind and body["error"]["message"]
+    out = await raw_exchange(client.port, post("/echo", b"x" * (MAX_BODY + 1)))  # type: ignore[arg-type]
+    assert msgspec.json.decode(out.split(b"\r\n\r\n", 1)[1])["error"]["code"] == 413
 
 
 async def test_a_handler_error_is_a_500_and_the_connection_serves_on(client: TestClient) -> None:

@@ -35,12 +35,40 @@ def api_error(
         kind: the error type (default: by status).
     """
     if api is PromptApi.MESSAGES:
-        body = {
+        return web.Response(
+            status=status, body=error_body(api, status, message, kind=kind), content_type="application/json"
+        )
+    return error_response(status, message, param=param, kind=kind or "invalid_request_error")
+
+
+def error_body(
+    api: PromptApi | None, status: int, message: str, *, param: str | None = None, kind: str | None = None
+) -> bytes:
+    """The JSON body of :func:`api_error` (OpenAI's shape when ``api`` is ``None``)."""
+    if api is PromptApi.MESSAGES:
+        body: dict[str, object] = {
             "type": "error",
             "error": {"type": kind or _ANTHROPIC_KINDS.get(status, "api_error"), "message": message},
         }
-        return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json")
-    return error_response(status, message, param=param, kind=kind or "invalid_request_error")
+    else:
+        body = {
+            "error": {
+                "message": message,
+                "type": kind or "invalid_request_error",
+                "param": param,
+                "code": status,
+            }
+        }
+    return msgspec.json.encode(body)
+
+
+def api_of_path(path: str) -> PromptApi | None:
+    """The agent API whose route ``path`` is (``None`` for the others)."""
+    if path == PromptApi.MESSAGES.path:
+        return PromptApi.MESSAGES
+    if path == PromptApi.RESPONSES.path:
+        return PromptApi.RESPONSES
+    return None
 
 
 def maybe_unserved_api(api: PromptApi, response: web.StreamResponse, pod: str | None) -> web.StreamResponse:

@@ -26,10 +26,11 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
 import httptools
-import msgspec
 from aiohttp import web
 from multidict import CIMultiDict
 
+from kvmesh.core.agent_apis import PromptApi
+from kvmesh.router.agent_routes import api_of_path, error_body
 from kvmesh.router.client_request import StreamSink
 
 logger = logging.getLogger(__name__)
@@ -67,11 +68,7 @@ class FrontRequest:
     ) -> None:
         self._conn = conn
         self.method = method
-        if target.startswith("/"):
-            self.path, _, self.query = target.partition("?")
-        else:  # absolute form (a client talking to a proxy), or "*"
-            parts = urllib.parse.urlsplit(target)
-            self.path, self.query = parts.path or target, parts.query
+        self.path, self.query = split_target(target)
         self.headers = headers
         self.body = body
         self.keep_alive = keep_alive
@@ -95,6 +92,15 @@ class FrontRequest:
         self._conn.write(head)
         self.streamed = FrontStream(self._conn)
         return self.streamed
+
+
+def split_target(target: str) -> tuple[str, str]:
+    """A request target's path and query."""
+    if target.startswith("/"):
+        path, _, query = target.partition("?")
+        return path, query
+    parts = urllib.parse.urlsplit(target)  # absolute form (a client talking to a proxy), or "*"
+    return parts.path or target, parts.query
 
 
 class FrontStream:
@@ -333,12 +339,13 @@ class FrontConnection(asyncio.Protocol):
 
     def write_json(self, request: FrontRequest, status: int, message: str, kind: str) -> None:
         """Answer ``request`` with an OpenAI-style error."""
-        self.write(self._error_answer(status, message, kind, request.keep_alive))
+        self.write(self._error_answer(request.path, status, message, kind, request.keep_alive))
 
-    def _error_answer(self, status: int, message: str, kind: str, keep_alive: bool) -> bytes:
-        body = msgspec.json.encode(
-            {"error": {"message": message, "type": kind, "param": None, "code": status}}
-        )
+    def _error_answer(self, path: str, status: int, message: str, kind: str, keep_alive: bool) -> bytes:
+        """An error in the shape the clients of ``path``'s API parse (Anthropic's on
+        ``/v1/messages``, whose kinds follow the status; OpenAI's elsewhere)."""
+        api = api_of_path(path)
+        body = error_body(api, status, message, kind=None if api is PromptApi.MESSAGES else kind)
         return self.head(status, None, {"Content-Type": "application/json"}, len(body), keep_alive) + body
 
     def head(
@@ -385,7 +392,8 @@ class FrontConnection(asyncio.Protocol):
         if self._refused:
             return
         self._refused = True
-        answer = self._error_answer(status, message, "invalid_request_error", False)
+        path = split_target(self._target.decode("latin-1"))[0] if self._in_message else ""
+        answer = self._error_answer(path, status, message, "invalid_request_error", False)
         if self._task is None:
             self.write(answer)
             self.close()

@@ -489,7 +489,8 @@ class Gateway:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            return error_response(413, f"request body larger than {self.config.max_body_bytes} bytes")
+            too_large = f"request body larger than {self.config.max_body_bytes} bytes"
+            return api_error(api, 413, too_large) if api is not None else error_response(413, too_large)
         try:
             parsed = await self.parser.parse(
                 raw,
