@@ -183,6 +183,20 @@ async def test_workers_answer_as_one_router(engines, fresh: aiohttp.ClientSessio
                 usage = await resp.json()
             assert sum(row["requests"] for row in usage["tenants"].values()) == len(served), usage
             assert set(usage["workers"].values()) == {200}
+        for _ in range(4):  # every worker's latest requests, newest first, whichever is asked
+            async with fresh.get(f"{admin}/explain", params={"limit": "100"}, headers=AUTH) as resp:
+                recent = await resp.json()
+            assert sorted(e["request_id"] for e in recent["requests"]) == sorted(r for _, r in served)
+            times = [e["at"] for e in recent["requests"]]
+            assert times == sorted(times, reverse=True) and set(recent["workers"].values()) == {200}
+            async with fresh.get(f"{admin}/explain", params={"limit": "3"}, headers=AUTH) as resp:
+                assert [e["request_id"] for e in (await resp.json())["requests"]] == [
+                    e["request_id"] for e in recent["requests"][:3]
+                ]
+            async with fresh.get(f"{admin}/index", headers=AUTH) as resp:
+                index = await resp.json()
+            assert list(index["peers"]) == [str(1 - index["worker"])], index.get("peers")
+            assert index["peers"][str(1 - index["worker"])]["index"].keys() == index["index"].keys()
 
         # A worker that starts again copies its peer's endpoints: the one added and not the one
         # removed at run time.

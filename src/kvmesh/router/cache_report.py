@@ -250,7 +250,12 @@ class CacheReporter:
             verdict = note.verdict
             assert verdict is not None, "only finished notes are logged"
             out.append(
-                {"request_id": note.request_id, "endpoint": note.pod, "header": verdict.header_value()}
+                {
+                    "request_id": note.request_id,
+                    "endpoint": note.pod,
+                    "header": verdict.header_value(),
+                    "at": note.started,
+                }
             )
         return out
 

@@ -15,6 +15,8 @@ supervisor's private temporary directory), and a middleware on the shared port:
   applied here, then sent to every peer; the answer says per worker how it went (``workers``).
 - ``GET …/admin/explain/{id}``: a request this worker did not answer is looked up on the peers.
 - ``GET …/admin/usage``: every worker's per-tenant counts, added up.
+- ``GET …/admin/explain``: every worker's latest requests, newest first (``worker`` on each).
+- ``GET …/admin/index``: this worker's index and ingestion report, every peer's under ``peers``.
 
 A worker that starts again (after a crash, or one at a time in a rolling restart) copies the
 endpoint list from the first peer that answers: endpoints added at run time are added, configured
@@ -193,6 +195,10 @@ class WorkerMesh:
             return await self._wherever_found(request, handler)
         if method == "GET" and path.endswith("/admin/usage"):
             return await self._summed_usage(request, handler)
+        if method == "GET" and path.endswith("/admin/explain"):
+            return await self._merged_recent(request, handler)
+        if method == "GET" and path.endswith("/admin/index"):
+            return await self._every_index(request, handler)
         return await handler(request)
 
     async def _metrics(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -234,6 +240,38 @@ class WorkerMesh:
         for answer in answers:
             if answer is not None and answer.status == 200:
                 content["tenants"] = add_counts(content["tenants"], json.loads(answer.body)["tenants"])
+        content["workers"] = workers
+        return web.json_response(content)
+
+    async def _merged_recent(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """The latest requests of every worker, newest first, each labelled with its worker."""
+        own = await handler(request)
+        own_body = _plain_body(own, 200)
+        if own_body is None:
+            return own
+        recent = [{**entry, "worker": self.index} for entry in json.loads(own_body)["requests"]]
+        answers, workers = await self._ask_peers(request, own.status, None, ("authorization",))
+        for i, answer in zip(self.peers, answers, strict=True):
+            if answer is not None and answer.status == 200:
+                recent.extend({**entry, "worker": i} for entry in json.loads(answer.body)["requests"])
+        limit = int(request.query.get("limit", "50"))  # the handler accepted it
+        recent.sort(key=lambda entry: entry.get("at", 0.0), reverse=True)
+        return web.json_response({"requests": recent[:limit], "workers": workers})
+
+    async def _every_index(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """This worker's index report, with every peer's under ``peers``."""
+        own = await handler(request)
+        own_body = _plain_body(own, 200)
+        if own_body is None:
+            return own
+        content = json.loads(own_body)
+        answers, workers = await self._ask_peers(request, own.status, None, ("authorization",))
+        content["worker"] = self.index
+        content["peers"] = {
+            str(i): json.loads(answer.body)
+            for i, answer in zip(self.peers, answers, strict=True)
+            if answer is not None and answer.status == 200
+        }
         content["workers"] = workers
         return web.json_response(content)
 
