@@ -1,7 +1,7 @@
 """Router CPU per request, and where it goes: ``kvmesh router`` under closed-loop load, profiled.
 
     .venv/bin/python benchmarks/router_cpu_profile.py [--trees SRC[,SRC...]] [--router-args FLAGS]...
-        [--passthrough] [--rounds 3] [--profile]
+        [--passthrough] [--rounds 3] [--profile [--sample]]
 
 The same minimal backends as ``benchmarks/router_gateway.py`` (answer after 5 ms of waiting) and
 its ~500-token text prompts (8 shared system prefixes + distinct questions), sent by 32 closed-loop
@@ -15,7 +15,10 @@ than requests/s.
 
 ``--profile`` runs each router under cProfile for the measured phase only (turned on and off by
 signal, so start-up and warm-up are not in it) and prints its functions by own time; the CPU
-figure of a profiled round is inflated by the profiler and is reported apart.
+figure of a profiled round is inflated by the profiler and is reported apart. ``--profile
+--sample`` samples the router's stack on its CPU time instead, which does not inflate small
+functions: CPU µs per request per function, inclusive and self. Every round also prints the
+router's CPU per request by thread (user + system).
 """
 
 from __future__ import annotations
@@ -63,6 +66,84 @@ def serve_profiled_router(argv: list[str], profile_out: str) -> None:
     sys.exit(kvmesh_main(["router", *argv]))
 
 
+def serve_sampled_router(argv: list[str], profile_out: str) -> None:
+    """``kvmesh router`` whose stack is sampled on its CPU time (``ITIMER_PROF``) between SIGUSR1
+    and SIGUSR2, the samples written to ``profile_out`` as JSON.
+
+    Unlike cProfile this does not slow each call, so the shares of small functions are not inflated;
+    a sample lands at the next bytecode boundary of the main thread (time in C code, the event
+    loop's included, is charged to the Python function that runs next or called it). The kernel
+    fires the timer on its scheduler tick (every 4 ms at HZ=250, not every 1 ms asked), so
+    :func:`print_samples` scales the samples to the CPU time measured over the same round.
+    """
+    import collections
+    import json
+
+    from kvmesh.cli import main as kvmesh_main
+
+    stacks: collections.Counter[tuple[str, ...]] = collections.Counter()
+
+    def sample(signum: int, frame: object) -> None:
+        names = []
+        f = frame
+        while f is not None:
+            code = f.f_code  # type: ignore[attr-defined]
+            names.append(f"{Path(code.co_filename).stem}:{code.co_name}")
+            f = f.f_back  # type: ignore[attr-defined]
+        stacks[tuple(names)] += 1
+
+    def on(signum: int, frame: object) -> None:
+        stacks.clear()
+        signal.signal(signal.SIGPROF, sample)
+        signal.setitimer(signal.ITIMER_PROF, 0.001, 0.001)
+
+    def off(signum: int, frame: object) -> None:
+        signal.setitimer(signal.ITIMER_PROF, 0, 0)
+        Path(profile_out).write_text(json.dumps([[list(k), n] for k, n in stacks.items()]))
+
+    signal.signal(_PROFILE_ON, on)
+    signal.signal(_PROFILE_OFF, off)
+    sys.exit(kvmesh_main(["router", *argv]))
+
+
+def print_samples(path: Path, requests: float, cpu_s: float, top: int) -> None:
+    """Per function: its CPU µs per request while it ran (inclusive) or was on top (self), the
+    samples scaled to ``cpu_s``, the CPU time the round took."""
+    import collections
+    import json
+
+    inclusive: collections.Counter[str] = collections.Counter()
+    own: collections.Counter[str] = collections.Counter()
+    total = 0
+    for names, n in json.loads(path.read_text()):
+        total += n
+        own[names[0]] += n
+        for name in set(names):
+            inclusive[name] += n
+    us = 1e6 * cpu_s / max(total, 1) / requests  # per sample, per request
+    print(f"{total} samples, {1e3 * cpu_s / max(total, 1):.2f} ms of CPU each")
+    print(f"{'inclusive µs':>13} {'self µs':>8}  function (per request)")
+    for name, n in inclusive.most_common(top):
+        print(f"{n * us:13.1f} {own[name] * us:8.1f}  {name}")
+    print("  -- by self time --")
+    for name, n in own.most_common(top):
+        print(f"{inclusive[name] * us:13.1f} {n * us:8.1f}  {name}")
+
+
+def thread_cpu(pid: int) -> dict[int, tuple[str, float, float]]:
+    """Per thread of ``pid``: its name, user and system CPU seconds (from /proc)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            name = (task / "comm").read_text().strip()
+        except FileNotFoundError:
+            continue
+        out[int(task.name)] = (name, int(fields[11]) / tick, int(fields[12]) / tick)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -100,10 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", action="store_true", help="add one profiled round per router and print its top functions"
     )
+    parser.add_argument(
+        "--sample",
+        action="store_true",
+        help="with --profile: sample the router's stack each ms of its CPU instead of cProfile",
+    )
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args(argv)
     if args.serve_router is not None:
-        serve_profiled_router(args.serve_router.split(), args.profile_out)
+        serve = serve_sampled_router if args.sample else serve_profiled_router
+        serve(args.serve_router.split(), args.profile_out)
         return 0
 
     trees = [t for t in args.trees.split(",") if t] or [""]
@@ -142,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 out = tmp / f"router-{len(routers)}.prof"
                 proc = procs.start(
-                    [sys.executable, __file__, "--serve-router", router_args, "--profile-out", str(out)],
+                    [sys.executable, __file__, "--serve-router", router_args, "--profile-out", str(out)]
+                    + (["--sample"] if args.sample else []),
                     env=env,
                 )
                 wait_http(f"http://127.0.0.1:{port}/health", 120)
@@ -152,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             for label, (url, pid) in start_passthroughs(procs, backend_urls).items():
                 routers[label] = (url, pid, None)
         cpu_ms: dict[str, list[float]] = {label: [] for label in routers}
+        by_thread: dict[str, dict[str, list[float]]] = {label: {} for label in routers}
         rps: dict[str, list[float]] = {label: [] for label in routers}
         prompts = make_prompts(args.num_prompts, prompt_tokens=args.prompt_tokens)
         labels = list(routers)
@@ -160,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             for label in labels[round_no % len(labels) :] + labels[: round_no % len(labels)]:
                 url, pid, _ = routers[label]
                 asyncio.run(closed_loop([url], prompts, 4, args.warmup_s, stream=args.stream_chunks > 0))
-                before = cpu_seconds(pid)
+                before, threads_before = cpu_seconds(pid), thread_cpu(pid)
                 result = asyncio.run(
                     closed_loop(
                         [url], prompts, args.concurrency, args.duration, stream=args.stream_chunks > 0
@@ -169,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
                 used = cpu_seconds(pid) - before
                 served = result["rps"] * args.duration
                 cpu_ms[label].append(1e3 * used / served)
+                for tid, (name, user, system) in thread_cpu(pid).items():
+                    _, user0, system0 = threads_before.get(tid, (name, 0.0, 0.0))
+                    key = "main" if tid == pid else name
+                    sums = by_thread[label].setdefault(key, [0.0, 0.0])
+                    sums[0] += 1e3 * (user - user0) / served / args.rounds
+                    sums[1] += 1e3 * (system - system0) / served / args.rounds
                 rps[label].append(result["rps"])
         for label, (url, pid, out) in routers.items() if args.profile else ():
             if out is None:
@@ -185,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
             while not out.exists() and time.monotonic() < deadline:
                 time.sleep(0.2)
             served = result["rps"] * args.duration
+            if args.sample:
+                time.sleep(0.5)
+                print(f"\n=== {label}: sampled round, {1e3 * used / served:.3f} ms CPU/request")
+                print_samples(out, served, used, args.top)
+                continue
             print(f"\n=== {label}: profiled round, {1e3 * used / served:.3f} ms CPU/request "
                   f"(profiler included), {served:.0f} requests; per-request times = tottime / {served:.0f}")  # fmt: skip
             time.sleep(0.5)  # the stats file is written by a signal handler; let it finish
@@ -196,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         runs = cpu_ms[label]
         print(f"  {label}: {', '.join(f'{c:.3f}' for c in runs)} -> median {statistics.median(runs):.3f}, "
               f"mean {statistics.fmean(runs):.3f} ms; {statistics.median(rps[label]):.0f} req/s")  # fmt: skip
+        threads = sorted(by_thread[label].items(), key=lambda kv: -sum(kv[1]))
+        print("    by thread, ms/request user + system (mean of rounds): " + "; ".join(
+            f"{name} {user:.3f} + {system:.3f}" for name, (user, system) in threads if user + system >= 0.001))  # fmt: skip
     return 0
 
 
