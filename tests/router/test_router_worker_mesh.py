@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from router_fakes import BLOCK, MODEL, FakeEngine, free_port
 
 from kvmesh.router.usage import UsageLedger
-from kvmesh.router.worker_mesh import add_counts, merge_expositions
+from kvmesh.router.worker_mesh import LOCAL_HEADER, add_counts, merge_expositions
 from kvmesh.router.workers import num_listening_sockets, worker_pids
 
 AUTH = {"Authorization": "Bearer t"}
@@ -125,7 +125,8 @@ async def _complete(session: aiohttp.ClientSession, url: str, i: int) -> tuple[s
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="SO_REUSEPORT spreading and /proc are Linux's")
-@pytest.mark.parametrize("pooled", [False, True], ids=["one-model", "pools"])
+# pools are served on aiohttp alone (--aiohttp-only), one model behind the router's front
+@pytest.mark.parametrize("pooled", [False, True], ids=["one-model", "pools-aiohttp-only"])
 async def test_workers_answer_as_one_router(engines, fresh: aiohttp.ClientSession, tmp_path, pooled) -> None:  # type: ignore[no-untyped-def]
     fleet: list[FakeEngine] = await engines(3)
     first, second, added = (e.url for e in fleet)
@@ -147,7 +148,7 @@ async def test_workers_answer_as_one_router(engines, fresh: aiohttp.ClientSessio
     )
     proc = await asyncio.create_subprocess_exec(
         *[sys.executable, "-m", "kvmesh", "router", "--config", str(config), "--port", str(port),
-          "--workers", "2", "--log-level", "warning"],
+          "--workers", "2", "--log-level", "warning", *(["--aiohttp-only"] if pooled else [])],
         stdout=subprocess.DEVNULL, stderr=log.open("wb"), env=dict(os.environ, HF_HUB_OFFLINE="1"),
     )  # fmt: skip
     try:
@@ -180,6 +181,12 @@ async def test_workers_answer_as_one_router(engines, fresh: aiohttp.ClientSessio
                 assert resp.status == 200, (request_id, await resp.text())
         for _ in range(4):  # and counted once, whichever worker is asked
             async with fresh.get(f"{admin}/usage", headers=AUTH) as resp:
+                usage = await resp.json()
+            assert sum(row["requests"] for row in usage["tenants"].values()) == len(served), usage
+            assert set(usage["workers"].values()) == {200}
+        for _ in range(4):  # a client cannot make one worker answer alone
+            headers = {**AUTH, LOCAL_HEADER: "1"}
+            async with fresh.get(f"{admin}/usage", headers=headers) as resp:
                 usage = await resp.json()
             assert sum(row["requests"] for row in usage["tenants"].values()) == len(served), usage
             assert set(usage["workers"].values()) == {200}

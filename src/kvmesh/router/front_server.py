@@ -23,6 +23,7 @@ import aiohttp
 from multidict import CIMultiDict
 
 from kvmesh.router.front_http import FrontConnection, FrontRequest, FrontStream, HotHandler
+from kvmesh.router.worker_mesh import LOCAL_HEADER
 
 KEEPALIVE_S = 75.0
 """An idle kept-alive connection is closed after this long."""
@@ -39,6 +40,7 @@ _REQUEST_HOP_BY_HOP = frozenset(
         "te",
         "upgrade",
         "proxy-connection",
+        LOCAL_HEADER,  # the workers' own: a client cannot make one worker answer alone
     )
 )
 _ANSWER_HOP_BY_HOP = frozenset(("connection", "keep-alive", "transfer-encoding", "content-length", "date"))

@@ -21,7 +21,8 @@ supervisor's private temporary directory), and a middleware on the shared port:
 A worker that starts again (after a crash, or one at a time in a rolling restart) copies the
 endpoint list from the first peer that answers: endpoints added at run time are added, configured
 endpoints removed at run time are removed. Requests a peer forwards carry :data:`LOCAL_HEADER`
-and are answered by the worker alone.
+and are answered by the worker alone (only over its unix socket: from a client, the header is
+ignored).
 """
 
 from __future__ import annotations
@@ -110,6 +111,14 @@ def _plain_body(answer: web.StreamResponse, max_status: int) -> bytes | None:
     return answer.body if isinstance(answer.body, bytes) else None
 
 
+def _over_unix_socket(request: web.Request) -> bool:
+    """Whether ``request`` came over a unix socket: a peer's, or the router's front relaying a
+    client's request (which drops :data:`LOCAL_HEADER`). A client on the TCP port that sends the
+    header is answered by every worker as any other client."""
+    transport = request.transport
+    return transport is not None and isinstance(transport.get_extra_info("sockname"), str)
+
+
 class PeerAnswer(NamedTuple):
     status: int
     body: bytes
@@ -179,7 +188,7 @@ class WorkerMesh:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if LOCAL_HEADER in request.headers:
+        if LOCAL_HEADER in request.headers and _over_unix_socket(request):
             answer = await handler(request)
             if not answer.prepared:
                 answer.headers[STARTED_HEADER] = repr(self.started_at)
