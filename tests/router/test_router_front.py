@@ -158,6 +158,36 @@ async def test_a_connection_is_kept_alive_and_streams_are_chunked(client: TestCl
         assert len(front.connections) == 1
 
 
+async def test_http10_clients_are_kept_alive_when_they_ask_and_streams_are_not_chunked(
+    client: TestClient,
+) -> None:
+    def http10(method: str, path: str, body: bytes = b"", keep_alive: bool = True) -> bytes:
+        extra = "Connection: keep-alive\r\n" if keep_alive else ""
+        return f"{method} {path} HTTP/1.0\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+    try:
+        for request in (http10("POST", "/echo", b"a"), http10("GET", "/info")):  # front, then relayed
+            writer.write(request)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 200 ") and b"Connection: keep-alive" in head, head
+            length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+            await asyncio.wait_for(reader.readexactly(length), 5)
+    finally:
+        writer.close()
+    for path, body in (
+        ("/stream", b"data: 0\n\ndata: 1\n\ndata: 2\n\n"),
+        ("/app-stream", b"part0;part1;part2;"),
+    ):
+        method = "POST" if path == "/stream" else "GET"
+        out = await raw_exchange(client.port, http10(method, path))  # type: ignore[arg-type]
+        head, _, got = out.partition(b"\r\n\r\n")
+        assert b"Transfer-Encoding" not in head and b"Connection: close" in head, head
+        assert got == body
+    out = await raw_exchange(client.port, http10("POST", "/echo", b"b", keep_alive=False))  # type: ignore[arg-type]
+    assert b"Connection: close" in out.partition(b"\r\n\r\n")[0]
+
+
 async def test_an_absolute_form_target_is_served_by_its_path(client: TestClient) -> None:
     data = post("http://router.example/echo?x=1", b"abs", "Connection: close\r\n")
     out = await raw_exchange(client.port, data)  # type: ignore[arg-type]

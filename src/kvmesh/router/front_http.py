@@ -55,7 +55,7 @@ class Relay(Protocol):
 class FrontRequest:
     """A client's request to the front (see :class:`kvmesh.router.client_request.ClientRequest`)."""
 
-    __slots__ = ("_conn", "body", "headers", "keep_alive", "method", "path", "query", "streamed")
+    __slots__ = ("_conn", "body", "headers", "http10", "keep_alive", "method", "path", "query", "streamed")
 
     def __init__(
         self,
@@ -65,6 +65,7 @@ class FrontRequest:
         headers: CIMultiDict[str],
         body: bytes,
         keep_alive: bool,
+        http10: bool = False,
     ) -> None:
         self._conn = conn
         self.method = method
@@ -72,6 +73,8 @@ class FrontRequest:
         self.headers = headers
         self.body = body
         self.keep_alive = keep_alive
+        self.http10 = http10
+        """An HTTP/1.0 request: its answers are not chunked, and kept alive only when it asked."""
         self.streamed: FrontStream | None = None
         """The stream a handler opened (its answer was sent as it went)."""
 
@@ -88,10 +91,16 @@ class FrontRequest:
         return self.body
 
     async def open_stream(self, response: web.StreamResponse) -> StreamSink:
-        head = self._conn.head(response.status, response.reason, response.headers, None, self.keep_alive)
-        self._conn.write(head)
-        self.streamed = FrontStream(self._conn)
+        self.streamed = self.start_stream(response.status, response.reason, response.headers)
         return self.streamed
+
+    def start_stream(self, status: int, reason: str | None, headers: Mapping[str, str]) -> FrontStream:
+        """Write the head of an answer whose body follows as it comes: chunked, or for an
+        HTTP/1.0 client unframed and ended by closing the connection."""
+        if self.http10:
+            self.keep_alive = False
+        self._conn.write(self._conn.head(status, reason, headers, None, self.keep_alive, http10=self.http10))
+        return FrontStream(self._conn, chunked=not self.http10)
 
 
 def split_target(target: str) -> tuple[str, str]:
@@ -104,12 +113,14 @@ def split_target(target: str) -> tuple[str, str]:
 
 
 class FrontStream:
-    """A streamed answer's body, sent with chunked transfer encoding."""
+    """A streamed answer's body, sent with chunked transfer encoding (``chunked``) or as it is
+    (to an HTTP/1.0 client, the connection closed after)."""
 
-    __slots__ = ("_conn", "ended")
+    __slots__ = ("_conn", "chunked", "ended")
 
-    def __init__(self, conn: FrontConnection) -> None:
+    def __init__(self, conn: FrontConnection, *, chunked: bool = True) -> None:
         self._conn = conn
+        self.chunked = chunked
         self.ended = False
 
     async def write(self, data: bytes) -> None:
@@ -117,7 +128,7 @@ class FrontStream:
         if conn.closed:
             raise ConnectionResetError("the client closed the connection")
         if data:
-            conn.write(b"%x\r\n%b\r\n" % (len(data), data))
+            conn.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
             if conn.writing_paused:
                 await conn.drained()
 
@@ -127,7 +138,7 @@ class FrontStream:
         if data:
             await self.write(data)
         self.ended = True
-        if not self._conn.closed:
+        if self.chunked and not self._conn.closed:
             self._conn.write(b"0\r\n\r\n")
 
 
@@ -282,6 +293,7 @@ class FrontConnection(asyncio.Protocol):
             self._headers,
             body,
             parser.should_keep_alive(),
+            parser.get_http_version() == "1.0",
         )
         self._queue.append(request)
         if self._task is None:
@@ -333,20 +345,34 @@ class FrontConnection(asyncio.Protocol):
             self.write_json(request, 500, "internal error in the router", "server_error")
             return
         self.write(
-            self.head(response.status, response.reason, response.headers, len(body), request.keep_alive)
+            self.head(
+                response.status,
+                response.reason,
+                response.headers,
+                len(body),
+                request.keep_alive,
+                http10=request.http10,
+            )
             + body
         )
 
     def write_json(self, request: FrontRequest, status: int, message: str, kind: str) -> None:
         """Answer ``request`` with an OpenAI-style error."""
-        self.write(self._error_answer(request.path, status, message, kind, request.keep_alive))
+        self.write(
+            self._error_answer(request.path, status, message, kind, request.keep_alive, request.http10)
+        )
 
-    def _error_answer(self, path: str, status: int, message: str, kind: str, keep_alive: bool) -> bytes:
+    def _error_answer(
+        self, path: str, status: int, message: str, kind: str, keep_alive: bool, http10: bool = False
+    ) -> bytes:
         """An error in the shape the clients of ``path``'s API parse (Anthropic's on
         ``/v1/messages``, whose kinds follow the status; OpenAI's elsewhere)."""
         api = api_of_path(path)
         body = error_body(api, status, message, kind=None if api is PromptApi.MESSAGES else kind)
-        return self.head(status, None, {"Content-Type": "application/json"}, len(body), keep_alive) + body
+        head = self.head(
+            status, None, {"Content-Type": "application/json"}, len(body), keep_alive, http10=http10
+        )
+        return head + body
 
     def head(
         self,
@@ -355,8 +381,11 @@ class FrontConnection(asyncio.Protocol):
         headers: Mapping[str, str],
         length: int | None,
         keep_alive: bool,
+        *,
+        http10: bool = False,
     ) -> bytes:
-        """The status line and headers of an answer (``length`` ``None``: a chunked body)."""
+        """The status line and headers of an answer (``length`` ``None``: a chunked body, or for
+        an HTTP/1.0 client, ``http10``, a body ended by closing the connection)."""
         if reason is None:
             try:
                 reason = http.HTTPStatus(status).phrase
@@ -364,9 +393,14 @@ class FrontConnection(asyncio.Protocol):
                 reason = ""
         lines = [f"HTTP/1.1 {status} {reason}\r\n"]
         lines.extend(f"{k}: {v}\r\n" for k, v in headers.items() if k.lower() not in _HOP_BY_HOP)
-        lines.append("Transfer-Encoding: chunked\r\n" if length is None else f"Content-Length: {length}\r\n")
+        if length is not None:
+            lines.append(f"Content-Length: {length}\r\n")
+        elif not http10:
+            lines.append("Transfer-Encoding: chunked\r\n")
         if not keep_alive or self.draining:
             lines.append("Connection: close\r\n")
+        elif http10:
+            lines.append("Connection: keep-alive\r\n")  # an HTTP/1.0 client closes unless told
         return "".join(lines).encode("latin-1") + DATE.line() + b"\r\n"
 
     def write(self, data: bytes) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import aiohttp
 from multidict import CIMultiDict
 
-from kvmesh.router.front_http import FrontConnection, FrontRequest, FrontStream, HotHandler
+from kvmesh.router.front_http import FrontConnection, FrontRequest, HotHandler
 from kvmesh.router.worker_mesh import LOCAL_HEADER
 
 KEEPALIVE_S = 75.0
@@ -83,16 +83,25 @@ class AppRelay:
                 length = answer.headers.get("content-length")
                 if request.method == "HEAD":
                     size = int(length) if length is not None and length.isdigit() else 0
-                    conn.write(conn.head(answer.status, answer.reason, out, size, request.keep_alive))
+                    conn.write(
+                        conn.head(
+                            answer.status, answer.reason, out, size, request.keep_alive, http10=request.http10
+                        )
+                    )
                 elif length is not None:
                     body = await answer.read()
-                    conn.write(
-                        conn.head(answer.status, answer.reason, out, len(body), request.keep_alive) + body
+                    head = conn.head(
+                        answer.status,
+                        answer.reason,
+                        out,
+                        len(body),
+                        request.keep_alive,
+                        http10=request.http10,
                     )
+                    conn.write(head + body)
                 else:
-                    conn.write(conn.head(answer.status, answer.reason, out, None, request.keep_alive))
+                    stream = request.start_stream(answer.status, answer.reason, out)
                     head_sent = True
-                    stream = FrontStream(conn)
                     async for chunk in answer.content.iter_any():
                         await stream.write(chunk)
                     await stream.write_eof()
