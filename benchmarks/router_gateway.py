@@ -418,7 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rounds", type=int, default=2, help="alternate the targets this many times; medians reported"
     )
-    parser.add_argument("--kvmesh-policy", default="precise")
+    parser.add_argument(
+        "--kvmesh-policy", default="precise", help="comma-separated presets: one kvmesh target per preset"
+    )
     parser.add_argument(
         "--kvmesh-workers",
         default="1",
@@ -498,20 +500,25 @@ def main(argv: list[str] | None = None) -> int:
             temp_files.append(cfg)
             kv_extra = ["--config", str(cfg)]
         variants = [("", [])] + ([(", aiohttp only", ["--aiohttp-only"])] if args.kvmesh_aiohttp_only else [])
-        for num_workers in (int(n) for n in args.kvmesh_workers.split(",")):
-            for suffix, variant_args in variants:
-                kv_port = free_port()
-                kv_proc = procs.start(
-                    [sys.executable, "-m", "kvmesh", "router", "--endpoints", ",".join(backend_urls), "--policy",
-                     args.kvmesh_policy, "--port", str(kv_port), "--model", MODEL, "--tokenizer", "smollm2",
-                     "--log-level", "warning", "--workers", str(num_workers), *kv_extra, *variant_args],
-                    env=env,
-                )  # fmt: skip
-                wait_http(f"http://127.0.0.1:{kv_port}/health", 120)
-                workers = f"{num_workers} worker{'s' if num_workers > 1 else ''}"
-                name = f"kvmesh ({args.kvmesh_policy}, {workers}{suffix})"
-                targets[name] = [f"http://127.0.0.1:{kv_port}"]
-                pids[name] = kv_proc.pid
+        runs = [
+            (policy, int(n), suffix, variant_args)
+            for policy in args.kvmesh_policy.split(",")
+            for n in args.kvmesh_workers.split(",")
+            for suffix, variant_args in variants
+        ]
+        for policy, num_workers, suffix, variant_args in runs:
+            kv_port = free_port()
+            kv_proc = procs.start(
+                [sys.executable, "-m", "kvmesh", "router", "--endpoints", ",".join(backend_urls), "--policy",
+                 policy, "--port", str(kv_port), "--model", MODEL, "--tokenizer", "smollm2",
+                 "--log-level", "warning", "--workers", str(num_workers), *kv_extra, *variant_args],
+                env=env,
+            )  # fmt: skip
+            wait_http(f"http://127.0.0.1:{kv_port}/health", 120)
+            workers = f"{num_workers} worker{'s' if num_workers > 1 else ''}"
+            name = f"kvmesh ({policy}, {workers}{suffix})"
+            targets[name] = [f"http://127.0.0.1:{kv_port}"]
+            pids[name] = kv_proc.pid
         if args.passthrough:
             for label, (url, pid) in start_passthroughs(procs, backend_urls).items():
                 targets[label] = [url]
