@@ -203,11 +203,11 @@ class WorkerMesh:
         if method == "GET" and "/admin/explain/" in path:
             return await self._wherever_found(request, handler)
         if method == "GET" and path.endswith("/admin/usage"):
-            return await self._summed_usage(request, handler)
+            return await self._gathered(request, handler, self._summed_usage)
         if method == "GET" and path.endswith("/admin/explain"):
-            return await self._merged_recent(request, handler)
+            return await self._gathered(request, handler, self._merged_recent)
         if method == "GET" and path.endswith("/admin/index"):
-            return await self._every_index(request, handler)
+            return await self._gathered(request, handler, self._every_index)
         return await handler(request)
 
     async def _metrics(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -239,50 +239,50 @@ class WorkerMesh:
             content["workers"] = workers
         return web.json_response(content, status=own.status)
 
-    async def _summed_usage(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def _gathered(
+        self,
+        request: web.Request,
+        handler: Handler,
+        combine: Callable[[dict[str, Any], dict[int, Any], web.Request], dict[str, Any]],
+    ) -> web.StreamResponse:
+        """This worker's JSON answer to a ``GET`` merged by ``combine`` with those of the peers that
+        answered 200 (by worker), and ``workers``: who answered how."""
         own = await handler(request)
         own_body = _plain_body(own, 200)
         if own_body is None:
             return own
-        content = json.loads(own_body)
         answers, workers = await self._ask_peers(request, own.status, None, ("authorization",))
-        for answer in answers:
-            if answer is not None and answer.status == 200:
-                content["tenants"] = add_counts(content["tenants"], json.loads(answer.body)["tenants"])
-        content["workers"] = workers
-        return web.json_response(content)
-
-    async def _merged_recent(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """The latest requests of every worker, newest first, each labelled with its worker."""
-        own = await handler(request)
-        own_body = _plain_body(own, 200)
-        if own_body is None:
-            return own
-        recent = [{**entry, "worker": self.index} for entry in json.loads(own_body)["requests"]]
-        answers, workers = await self._ask_peers(request, own.status, None, ("authorization",))
-        for i, answer in zip(self.peers, answers, strict=True):
-            if answer is not None and answer.status == 200:
-                recent.extend({**entry, "worker": i} for entry in json.loads(answer.body)["requests"])
-        limit = int(request.query.get("limit", "50"))  # the handler accepted it
-        recent.sort(key=lambda entry: entry.get("at", 0.0), reverse=True)
-        return web.json_response({"requests": recent[:limit], "workers": workers})
-
-    async def _every_index(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """This worker's index report, with every peer's under ``peers``."""
-        own = await handler(request)
-        own_body = _plain_body(own, 200)
-        if own_body is None:
-            return own
-        content = json.loads(own_body)
-        answers, workers = await self._ask_peers(request, own.status, None, ("authorization",))
-        content["worker"] = self.index
-        content["peers"] = {
-            str(i): json.loads(answer.body)
+        theirs = {
+            i: json.loads(answer.body)
             for i, answer in zip(self.peers, answers, strict=True)
             if answer is not None and answer.status == 200
         }
+        content = combine(json.loads(own_body), theirs, request)
         content["workers"] = workers
         return web.json_response(content)
+
+    @staticmethod
+    def _summed_usage(own: dict[str, Any], theirs: dict[int, Any], request: web.Request) -> dict[str, Any]:
+        for usage in theirs.values():
+            own["tenants"] = add_counts(own["tenants"], usage["tenants"])
+        return own
+
+    def _merged_recent(
+        self, own: dict[str, Any], theirs: dict[int, Any], request: web.Request
+    ) -> dict[str, Any]:
+        """The latest requests of every worker, newest first, each labelled with its worker."""
+        recent = [{**entry, "worker": self.index} for entry in own["requests"]]
+        for i, answer in theirs.items():
+            recent.extend({**entry, "worker": i} for entry in answer["requests"])
+        limit = int(request.query.get("limit", "50"))  # the handler accepted it
+        recent.sort(key=lambda entry: entry.get("at", 0.0), reverse=True)
+        return {"requests": recent[:limit]}
+
+    def _every_index(
+        self, own: dict[str, Any], theirs: dict[int, Any], request: web.Request
+    ) -> dict[str, Any]:
+        """This worker's index report, with every peer's under ``peers``."""
+        return {**own, "worker": self.index, "peers": {str(i): report for i, report in theirs.items()}}
 
     async def _ask_peers(
         self, request: web.Request, own_status: int, body: bytes | None, forwarded: tuple[str, ...]
