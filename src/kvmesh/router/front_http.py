@@ -99,8 +99,12 @@ class FrontRequest:
         HTTP/1.0 client unframed and ended by closing the connection."""
         if self.http10:
             self.keep_alive = False
-        self._conn.write(self._conn.head(status, reason, headers, None, self.keep_alive, http10=self.http10))
+        self._conn.write(self.head(status, reason, headers, None))
         return FrontStream(self._conn, chunked=not self.http10)
+
+    def head(self, status: int, reason: str | None, headers: Mapping[str, str], length: int | None) -> bytes:
+        """The head of this request's answer (see :meth:`FrontConnection.head`)."""
+        return self._conn.head(status, reason, headers, length, self.keep_alive, http10=self.http10)
 
 
 def split_target(target: str) -> tuple[str, str]:
@@ -344,17 +348,7 @@ class FrontConnection(asyncio.Protocol):
             logger.error("a handler answered %s with a body of type %s", request.path, type(body).__name__)
             self.write_json(request, 500, "internal error in the router", "server_error")
             return
-        self.write(
-            self.head(
-                response.status,
-                response.reason,
-                response.headers,
-                len(body),
-                request.keep_alive,
-                http10=request.http10,
-            )
-            + body
-        )
+        self.write(request.head(response.status, response.reason, response.headers, len(body)) + body)
 
     def write_json(self, request: FrontRequest, status: int, message: str, kind: str) -> None:
         """Answer ``request`` with an OpenAI-style error."""

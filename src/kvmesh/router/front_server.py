@@ -83,22 +83,10 @@ class AppRelay:
                 length = answer.headers.get("content-length")
                 if request.method == "HEAD":
                     size = int(length) if length is not None and length.isdigit() else 0
-                    conn.write(
-                        conn.head(
-                            answer.status, answer.reason, out, size, request.keep_alive, http10=request.http10
-                        )
-                    )
+                    conn.write(request.head(answer.status, answer.reason, out, size))
                 elif length is not None:
                     body = await answer.read()
-                    head = conn.head(
-                        answer.status,
-                        answer.reason,
-                        out,
-                        len(body),
-                        request.keep_alive,
-                        http10=request.http10,
-                    )
-                    conn.write(head + body)
+                    conn.write(request.head(answer.status, answer.reason, out, len(body)) + body)
                 else:
                     stream = request.start_stream(answer.status, answer.reason, out)
                     head_sent = True
