@@ -12,7 +12,7 @@ import msgspec
 from aiohttp import web
 
 from kvmesh.core.agent_apis import PromptApi
-from kvmesh.router.replies import error_response
+from kvmesh.router.replies import error_body
 
 _ANTHROPIC_KINDS = {
     400: "invalid_request_error",
@@ -23,9 +23,9 @@ _ANTHROPIC_KINDS = {
 
 
 def api_error(
-    api: PromptApi, status: int, message: str, *, param: str | None = None, kind: str | None = None
+    api: PromptApi | None, status: int, message: str, *, param: str | None = None, kind: str | None = None
 ) -> web.Response:
-    """An error reply in the shape ``api``'s clients parse.
+    """An error reply in the shape ``api``'s clients parse (OpenAI's when ``api`` is ``None``).
 
     Args:
         api: the API the request used.
@@ -34,41 +34,26 @@ def api_error(
         param: the request field at fault (OpenAI shape only).
         kind: the error type (default: by status).
     """
-    if api is PromptApi.MESSAGES:
-        return web.Response(
-            status=status, body=error_body(api, status, message, kind=kind), content_type="application/json"
-        )
-    return error_response(status, message, param=param, kind=kind or "invalid_request_error")
+    body = api_error_body(api, status, message, param=param, kind=kind)
+    return web.Response(status=status, body=body, content_type="application/json")
 
 
-def error_body(
+def api_error_body(
     api: PromptApi | None, status: int, message: str, *, param: str | None = None, kind: str | None = None
 ) -> bytes:
-    """The JSON body of :func:`api_error` (OpenAI's shape when ``api`` is ``None``)."""
+    """The JSON body of :func:`api_error`."""
     if api is PromptApi.MESSAGES:
-        body: dict[str, object] = {
-            "type": "error",
-            "error": {"type": kind or _ANTHROPIC_KINDS.get(status, "api_error"), "message": message},
-        }
-    else:
-        body = {
-            "error": {
-                "message": message,
-                "type": kind or "invalid_request_error",
-                "param": param,
-                "code": status,
-            }
-        }
-    return msgspec.json.encode(body)
+        anthropic = {"type": kind or _ANTHROPIC_KINDS.get(status, "api_error"), "message": message}
+        return msgspec.json.encode({"type": "error", "error": anthropic})
+    return error_body(status, message, param=param, kind=kind or "invalid_request_error")
+
+
+_API_OF_PATH = {api.path: api for api in PromptApi}
 
 
 def api_of_path(path: str) -> PromptApi | None:
-    """The agent API whose route ``path`` is (``None`` for the others)."""
-    if path == PromptApi.MESSAGES.path:
-        return PromptApi.MESSAGES
-    if path == PromptApi.RESPONSES.path:
-        return PromptApi.RESPONSES
-    return None
+    """The API whose route ``path`` is (``None`` for other paths)."""
+    return _API_OF_PATH.get(path)
 
 
 def maybe_unserved_api(api: PromptApi, response: web.StreamResponse, pod: str | None) -> web.StreamResponse:

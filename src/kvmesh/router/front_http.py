@@ -30,7 +30,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from kvmesh.core.agent_apis import PromptApi
-from kvmesh.router.agent_routes import api_of_path, error_body
+from kvmesh.router.agent_routes import api_error_body, api_of_path
 from kvmesh.router.client_request import StreamSink
 
 logger = logging.getLogger(__name__)
@@ -351,7 +351,7 @@ class FrontConnection(asyncio.Protocol):
         self.write(request.head(response.status, response.reason, response.headers, len(body)) + body)
 
     def write_json(self, request: FrontRequest, status: int, message: str, kind: str) -> None:
-        """Answer ``request`` with an OpenAI-style error."""
+        """Answer ``request`` with an error in the shape its API's clients parse."""
         self.write(
             self._error_answer(request.path, status, message, kind, request.keep_alive, request.http10)
         )
@@ -362,7 +362,7 @@ class FrontConnection(asyncio.Protocol):
         """An error in the shape the clients of ``path``'s API parse (Anthropic's on
         ``/v1/messages``, whose kinds follow the status; OpenAI's elsewhere)."""
         api = api_of_path(path)
-        body = error_body(api, status, message, kind=None if api is PromptApi.MESSAGES else kind)
+        body = api_error_body(api, status, message, kind=None if api is PromptApi.MESSAGES else kind)
         head = self.head(
             status, None, {"Content-Type": "application/json"}, len(body), keep_alive, http10=http10
         )

@@ -489,8 +489,7 @@ class Gateway:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            too_large = f"request body larger than {self.config.max_body_bytes} bytes"
-            return api_error(api, 413, too_large) if api is not None else error_response(413, too_large)
+            return api_error(api, 413, f"request body larger than {self.config.max_body_bytes} bytes")
         try:
             parsed = await self.parser.parse(
                 raw,
@@ -503,9 +502,7 @@ class Gateway:
             )
         except RequestError as exc:
             self.metrics.errors.labels("bad_request").inc()
-            if api is not None:
-                return api_error(api, exc.status, exc.message, param=exc.param)
-            return error_response(exc.status, exc.message, param=exc.param)
+            return api_error(api, exc.status, exc.message, param=exc.param)
         response = await self._send(request, parsed, chat=chat, path=path, started=started)
         if parsed.pin_ttl_s is not None and response.status == 200:
             # Keep a pinned prompt's blocks in the index once an engine accepted the request.

@@ -19,8 +19,18 @@ def error_response(
         param: the request field at fault, if one is.
         kind: OpenAI's error ``type``.
     """
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json")
+    return web.Response(
+        status=status,
+        body=error_body(status, message, param=param, kind=kind),
+        content_type="application/json",
+    )
+
+
+def error_body(
+    status: int, message: str, *, param: str | None = None, kind: str = "invalid_request_error"
+) -> bytes:
+    """The JSON body of :func:`error_response`."""
+    return msgspec.json.encode({"error": {"message": message, "type": kind, "param": param, "code": status}})
 
 
 def json_response(body: Any, *, status: int = 200) -> web.Response:
